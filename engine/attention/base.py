@@ -1,0 +1,110 @@
+"""The attention backend contract shared by every backend (torch, Triton).
+
+A step's batch is *flattened*: the new tokens of every scheduled sequence are
+concatenated into one ``[T, ...]`` tensor. Sequences are ordered so that the
+``num_decodes`` sequences whose query length is exactly 1 come first; the rest
+are prefill or extend chunks (query length >= 1) whose earlier context may
+already sit in the cache (chunked prefill, prefix-cache hits).
+
+KV cache layout, per layer: ``k_cache`` and ``v_cache`` of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``. Slot ``s`` is
+``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Shape of one step's flattened batch (B sequences, T new tokens).
+
+    Attributes:
+        query_start_loc: int32 ``[B + 1]``; new tokens of sequence ``i`` are rows
+            ``query_start_loc[i]:query_start_loc[i + 1]`` of q/k/v.
+        seq_lens: int32 ``[B]``; tokens of sequence ``i`` after this step
+            (cached context + new tokens). Its new tokens sit at positions
+            ``seq_lens[i] - query_len_i ... seq_lens[i] - 1``.
+        block_tables: int32 ``[B, max_blocks]``; row ``i`` lists the block ids of
+            sequence ``i`` in order. Entries past ``ceil(seq_lens[i] / block_size)``
+            are padding (0) and are never read.
+        slot_mapping: int64 ``[T]``; cache slot where each new token's k/v is
+            written. ``-1`` means "do not write" (padding rows of CUDA graphs).
+        max_query_len: largest query length in the batch.
+        max_seq_len: largest ``seq_lens`` entry.
+        num_decodes: the first ``num_decodes`` sequences have query length 1.
+        query_lens_cpu: per-sequence query lengths as Python ints (host copy).
+        seq_lens_cpu: ``seq_lens`` as Python ints (host copy).
+        query_start_loc_cpu: ``query_start_loc`` as Python ints (host copy).
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    query_start_loc_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class AttentionBackend(ABC):
+    """Attend over the paged KV cache. One instance serves every layer."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store the new keys/values, then attend.
+
+        Args:
+            q: ``[T, num_heads, head_dim]`` queries of the new tokens.
+            k, v: ``[T, num_kv_heads, head_dim]`` keys/values of the new tokens.
+            k_cache, v_cache: this layer's caches (layout in the module doc).
+            meta: the step's batch description.
+            scale: softmax scale (usually ``head_dim ** -0.5``).
+
+        Returns:
+            ``[T, num_heads, head_dim]``: for each new token, attention over its
+            sequence's cached prefix plus the new tokens up to and including
+            itself (causal). ``num_heads`` must be a multiple of ``num_kv_heads``
+            (grouped-query attention).
+        """
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Build a backend by name: ``torch``, ``triton``, or ``auto`` (Triton on CUDA)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose torch, triton or auto")
