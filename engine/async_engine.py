@@ -1,0 +1,233 @@
+"""AsyncEngine: the asyncio face of the engine.
+
+The step loop runs on its own thread so that the event loop (HTTP) stays
+responsive while the model computes (torch releases the GIL in its kernels).
+All engine state is touched only by that thread: ``generate`` and ``abort``
+send commands that the thread applies at the next step boundary, and outputs
+come back through ``loop.call_soon_threadsafe`` into per-request queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.errors import EngineUnavailableError
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: a queue on the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: _Stream
+    admitted: asyncio.Future[None]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+        self.config = config
+        self.engine = engine if engine is not None else LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.info.model_name
+        self.max_model_len = self.engine.info.max_model_len
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._stats = EngineStats()
+        self._unfinished = 0
+
+    def describe(self) -> str:
+        return self.engine.describe()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    # ---- lifecycle ------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fuel-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    # ---- requests -------------------------------------------------------
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        latency_budget_ms: float | None = None,
+        ttft_budget_ms: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs. Errors at admission raise before the first item.
+
+        If the consumer stops iterating early (client gone, task cancelled),
+        the request is aborted and its blocks are freed at the next step.
+        """
+        if not self.is_running:
+            raise EngineUnavailableError("the engine is not running")
+        self.engine.validate(prompt_token_ids, params)
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop)
+        admitted: asyncio.Future[None] = loop.create_future()
+        kwargs = dict(
+            priority=priority,
+            cache_salt=cache_salt,
+            latency_budget_ms=latency_budget_ms,
+            ttft_budget_ms=ttft_budget_ms,
+        )
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, stream, admitted, kwargs))
+        finished = False
+        try:
+            await admitted
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread at a step boundary (tests, debug)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        self._commands.put(_Call(fn, done, loop))
+        return await done
+
+    def get_stats(self) -> EngineStats:
+        return self._stats
+
+    def num_unfinished_requests(self) -> int:
+        return self._unfinished
+
+    # ---- the engine thread -------------------------------------------------
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
+        eng = self.engine
+        if isinstance(cmd, _Add):
+            try:
+                eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.stream, **cmd.kwargs)
+            except Exception as e:  # admission said no: tell the caller
+                _resolve(cmd.stream.loop, cmd.admitted, exc=e)
+            else:
+                _resolve(cmd.stream.loop, cmd.admitted)
+        elif isinstance(cmd, _Abort):
+            group = eng.groups.get(cmd.request_id)
+            out = eng.abort(cmd.request_id)
+            if group is not None and out is not None and isinstance(group.sink, _Stream):
+                group.sink.put(out)
+        else:
+            try:
+                _resolve(cmd.loop, cmd.done, value=cmd.fn(eng))
+            except Exception as e:
+                _resolve(cmd.loop, cmd.done, exc=e)
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stopping:
+                block = not eng.has_unfinished()
+                try:
+                    cmd = self._commands.get(block=block, timeout=0.5 if block else None)
+                except queue.Empty:
+                    continue
+                while cmd is not None or not self._commands.empty():
+                    if cmd is not None:
+                        self._apply(cmd)
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        cmd = None
+                        break
+                if self._stopping:
+                    break
+                if eng.has_unfinished():
+                    for group, out in eng.step():
+                        if isinstance(group.sink, _Stream):
+                            group.sink.put(out)
+                self._stats = _copy_stats(eng.stats)
+                self._unfinished = len(eng.groups)
+        except BaseException as e:  # the loop died: fail everyone, then refuse new work
+            logger.exception("engine loop died")
+            self._dead = e
+            for gid, group in list(eng.groups.items()):
+                if isinstance(group.sink, _Stream):
+                    group.sink.put(EngineUnavailableError(f"the engine failed: {e}"))
+                eng.groups.pop(gid, None)
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], value: Any = None, exc: BaseException | None = None) -> None:
+    def done() -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+    loop.call_soon_threadsafe(done)
+
+
+def _copy_stats(s: EngineStats) -> EngineStats:
+    c = EngineStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
+    c.rejections = dict(s.rejections)
+    return c

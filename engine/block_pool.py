@@ -1,0 +1,207 @@
+"""The pool of KV cache blocks: O(1) allocate/free, reference counts, prefix-cache index.
+
+Ownership contract
+------------------
+* A block id is valid for a holder from the moment ``allocate`` (or ``touch``
+  on a cache hit) hands it out until the holder passes it back to ``free``.
+  Each hand-out adds one reference; each ``free`` drops one.
+* A block with reference count 0 is either *free* (no contents worth keeping)
+  or *evictable* (it holds a full, hashed block that the prefix cache can still
+  hand out). Evictable blocks are reclaimed, least recently freed first (the
+  eviction policy decides), only when no free block is left.
+* Only full blocks are hashed. A hashed block's contents never change while it
+  is hashed: the KV manager hashes a block only after every slot in it is
+  written, and nobody writes into a block whose reference count is above 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """Bookkeeping for one block of ``block_size`` KV slots."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None  # the tokens a hashed block holds (hit verification)
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """Chained, collision-resistant key of a full block (sha256).
+
+    The key covers the parent block's key, so equal keys mean equal prefixes,
+    plus ``extra`` (cache salt, adapter ids) so that tenants never share.
+    """
+    h = hashlib.sha256()
+    h.update(parent or b"\x00" * 32)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(extra)
+    return h.digest()
+
+
+class EvictionPolicy(ABC):
+    """Chooses which evictable (cached, unreferenced) block to reclaim."""
+
+    @abstractmethod
+    def add(self, block: KVBlock) -> None:
+        """``block`` became evictable (reference count dropped to 0)."""
+
+    @abstractmethod
+    def remove(self, block: KVBlock) -> None:
+        """``block`` is referenced again (a cache hit); it must no longer be evicted."""
+
+    @abstractmethod
+    def pop_victim(self) -> KVBlock:
+        """Remove and return the block to reclaim. Only called when non-empty."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, block: KVBlock) -> bool: ...
+
+
+class LRUEvictionPolicy(EvictionPolicy):
+    """Least recently freed first; O(1) add, remove and pop (an ordered dict)."""
+
+    def __init__(self) -> None:
+        self._blocks: OrderedDict[int, KVBlock] = OrderedDict()
+
+    def add(self, block: KVBlock) -> None:
+        self._blocks[block.block_id] = block
+
+    def remove(self, block: KVBlock) -> None:
+        del self._blocks[block.block_id]
+
+    def pop_victim(self) -> KVBlock:
+        return self._blocks.popitem(last=False)[1]
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block.block_id in self._blocks
+
+    def order(self) -> list[int]:
+        """Block ids from next victim to last (for tests and debugging)."""
+        return list(self._blocks)
+
+
+class BlockPool:
+    """All KV blocks of the cache, with a free stack and a prefix-cache index."""
+
+    def __init__(self, num_blocks: int, eviction: EvictionPolicy | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Reversed so that pop() hands out low ids first (easier to read in tests).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._evictable: EvictionPolicy = eviction or LRUEvictionPolicy()
+        self._cached: dict[bytes, KVBlock] = {}
+
+    # ---- counts -------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that ``allocate`` can hand out now (free + evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def eviction_policy(self) -> EvictionPolicy:
+        return self._evictable
+
+    # ---- allocation ---------------------------------------------------
+    def allocate(self) -> KVBlock:
+        """Hand out one block with reference count 1. Caller checks capacity first."""
+        if self._free:
+            block = self.blocks[self._free.pop()]
+        elif len(self._evictable):
+            block = self._evictable.pop_victim()
+            self._uncache(block)
+        else:
+            raise RuntimeError("KV block pool exhausted")
+        block.ref_count = 1
+        return block
+
+    def free(self, block: KVBlock) -> None:
+        """Drop one reference; at zero the block becomes evictable (hashed) or free."""
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of KV block {block.block_id}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._evictable.add(block)
+            else:
+                self._free.append(block.block_id)
+
+    def touch(self, block: KVBlock) -> None:
+        """Take one more reference to a block (a prefix-cache hit or a shared prefix)."""
+        if block.ref_count == 0:
+            self._evictable.remove(block)
+        block.ref_count += 1
+
+    # ---- prefix-cache index --------------------------------------------
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> KVBlock | None:
+        """The cached block with this key, verified to hold exactly ``token_ids``."""
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def cache(self, block: KVBlock, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Register a full, written block under its key (first writer wins)."""
+        if block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._cached[block_hash] = block
+
+    def _uncache(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every evictable cached block; returns how many were dropped."""
+        n = 0
+        while len(self._evictable):
+            block = self._evictable.pop_victim()
+            self._uncache(block)
+            self._free.append(block.block_id)
+            n += 1
+        return n
+
+    def check_invariants(self) -> None:
+        """Free + evictable + referenced == all blocks; no id listed twice."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a block id is on the free stack twice")
+        referenced = sum(1 for b in self.blocks if b.ref_count > 0)
+        if referenced + len(self._free) + len(self._evictable) != self.num_blocks:
+            raise AssertionError(
+                f"block accounting broken: {referenced} referenced + {len(self._free)} free "
+                f"+ {len(self._evictable)} evictable != {self.num_blocks}"
+            )
+        for b in self.blocks:
+            if b.ref_count < 0:
+                raise AssertionError(f"block {b.block_id} has negative reference count")
+            if b.ref_count > 0 and (b.block_id in free or b in self._evictable):
+                raise AssertionError(f"referenced block {b.block_id} is also free")

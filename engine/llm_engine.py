@@ -1,0 +1,321 @@
+"""The synchronous engine: add requests, ``step()``, collect outputs.
+
+``step()`` = schedule -> one forward pass for the whole batch -> sample ->
+update the requests -> text deltas and stops -> free the blocks of whatever
+ended. ``AsyncEngine`` drives it from a thread; ``LLM`` from a plain loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention.base import get_attention_backend
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import load_model, load_model_config, resolve_model_path
+from engine.model_runner import ModelRunner, StepResult
+from engine.output_processor import (
+    GroupState,
+    build_output,
+    final_delta,
+    make_choice,
+    process_token,
+)
+from engine.outputs import CompletionDelta, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stats import EngineStats
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, float32, float16 or bfloat16") from None
+
+
+@dataclass
+class EngineInfo:
+    model_path: Path
+    model_name: str
+    device: torch.device
+    dtype: torch.dtype
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class LLMEngine:
+    """Owns tokenizer, model, KV cache, scheduler and per-request output state."""
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        path = resolve_model_path(config.model)
+        self.model_config = load_model_config(path)
+        self.tokenizer = Tokenizer.load(path, config.tokenizer)
+        mc = self.model_config
+        max_len = config.max_model_len or mc.max_position_embeddings
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
+                f"{mc.max_position_embeddings}"
+            )
+        backend = get_attention_backend(config.attention_backend, device)
+        self.model = load_model(path, mc, backend, dtype, device)
+        num_blocks = self._num_blocks(device, dtype)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, max_len, clock=clock)
+        self.runner = ModelRunner(
+            self.model,
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            num_blocks,
+            config.block_size,
+            device,
+            dtype,
+        )
+        self.info = EngineInfo(path, path.stem, device, dtype, num_blocks, config.block_size, max_len)
+        self.groups: dict[str, GroupState] = {}
+        self.stats = EngineStats(num_total_blocks=num_blocks)
+        self.grammar_mask_factory = None  # set by the structured-output layer when available
+
+    # ---- sizing -------------------------------------------------------
+    def _num_blocks(self, device: torch.device, dtype: torch.dtype) -> int:
+        cfg = self.config
+        per_block = self.model_config.kv_bytes_per_token(dtype) * cfg.block_size
+        if cfg.num_gpu_blocks_override:
+            return cfg.num_gpu_blocks_override
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(total * cfg.gpu_memory_utilization) - (total - free)
+            # Leave room for activations of the largest step (measured roughly as
+            # 64 floats per hidden unit per batched token).
+            budget -= cfg.max_num_batched_tokens * self.model_config.hidden_size * 64 * 4
+        else:
+            budget = cfg.kv_cache_memory
+        n = budget // per_block
+        if n < 2:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes; "
+                "raise --kv-cache-memory or --gpu-memory-utilization"
+            )
+        return int(n)
+
+    def describe(self) -> str:
+        i = self.info
+        return (
+            f"model={i.model_path} dtype={str(i.dtype).removeprefix('torch.')} device={i.device} "
+            f"kv_blocks={i.num_blocks} block_size={i.block_size} "
+            f"kv_tokens={i.num_blocks * i.block_size} max_model_len={i.max_model_len} "
+            f"attention={self.model_backend_name()}"
+        )
+
+    def model_backend_name(self) -> str:
+        for m in self.model.modules():
+            backend = getattr(m, "attn_backend", None)
+            if backend is not None:
+                return str(backend.name)
+        return "?"
+
+    # ---- requests -----------------------------------------------------
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Checks that need no engine state (safe from any thread)."""
+        try:
+            params.validate(vocab_size=self.model_config.vocab_size)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", param="prompt")
+        max_len = self.info.max_model_len
+        n = len(prompt_token_ids)
+        want = params.max_tokens or 0
+        if n + want > max_len or n >= max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{n + want} tokens ({n} in the prompt, {want} in the completion). "
+                "Please reduce the length of the prompt or completion.",
+                param="max_tokens" if n < max_len else "prompt",
+                code="context_length_exceeded",
+            )
+
+    def add_request(
+        self,
+        group_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: object = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        latency_budget_ms: float | None = None,
+        ttft_budget_ms: float | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue the n choices of one request. Raises InvalidRequestError / RequestRejectedError."""
+        if group_id in self.groups:
+            raise InvalidRequestError(f"request id {group_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        now = self.clock() if arrival_time is None else arrival_time
+        reqs: list[Request] = []
+        for i in range(params.n):
+            reqs.append(
+                Request(
+                    request_id=f"{group_id}-{i}" if params.n > 1 else group_id,
+                    group_id=group_id,
+                    index=i,
+                    prompt_token_ids=list(prompt_token_ids),
+                    params=params,
+                    eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
+                    priority=priority,
+                    arrival_time=now,
+                    deadline=now + latency_budget_ms / 1000 if latency_budget_ms else None,
+                    ttft_deadline=now + ttft_budget_ms / 1000 if ttft_budget_ms else None,
+                    cache_salt=cache_salt,
+                    max_model_len=self.info.max_model_len,
+                    prefix_source=None,
+                )
+            )
+        for r in reqs[1:]:
+            r.prefix_source = reqs[0]
+        # Admission is decided once for the group, by its first choice.
+        try:
+            self.scheduler.add_request(reqs[0])
+        except Exception:
+            self.stats.rejections = dict(self.scheduler.rejections)
+            raise
+        for r in reqs[1:]:
+            self.scheduler.add_request(r, admit_check=False)
+        group = GroupState(group_id, list(prompt_token_ids), [make_choice(self.tokenizer, r) for r in reqs], sink)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        self.groups[group_id] = group
+
+    def abort(self, group_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> RequestOutput | None:
+        """End every unfinished choice of the group and free its blocks."""
+        group = self.groups.pop(group_id, None)
+        if group is None:
+            return None
+        deltas = []
+        for c in group.choices:
+            if not c.finished:
+                self.scheduler.finish(c.req, status)
+                deltas.append(final_delta(c, status))
+        return build_output(group, deltas)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    # ---- the step -----------------------------------------------------
+    def step(self) -> list[tuple[GroupState, RequestOutput]]:
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if not sched.scheduled:
+            self._refresh_stats()
+            return []
+        t0 = time.perf_counter()
+        try:
+            result = self.runner.execute(sched.scheduled, self.grammar_mask_factory)
+        except Exception:
+            logger.exception("model step failed; ending the requests in it")
+            return self._fail(sched.scheduled)
+        dt = time.perf_counter() - t0
+        self.scheduler.predictor.observe(sched.num_prefill_tokens, sched.num_decodes, dt)
+        self.scheduler.update_after_step(sched)
+        now = self.clock()
+        self.stats.num_steps += 1
+        self.stats.prompt_tokens += sum(
+            min(s.num_new_tokens, max(s.req.num_prompt_tokens - s.start, 0)) for s in sched.scheduled
+        )
+
+        per_group: dict[str, list[CompletionDelta]] = {}
+        for s in sched.scheduled:
+            req = s.req
+            group = self.groups.get(req.group_id)
+            if group is None:
+                continue
+            plp = result.prompt_logprobs.get(req.request_id)
+            if plp and req.index == 0:
+                group.prompt_logprobs.extend(plp)
+            sampled = result.sampled.get(req.request_id)
+            if sampled is None:
+                continue
+            token, lp = sampled
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            self.stats.generation_tokens += 1
+            choice = group.choices[req.index]
+            delta, status = process_token(choice, token, lp)
+            if status is not None:
+                self.scheduler.finish(req, status)
+            per_group.setdefault(req.group_id, []).append(delta)
+
+        outputs = []
+        for gid, deltas in per_group.items():
+            group = self.groups[gid]
+            out = build_output(group, deltas)
+            if group.finished:
+                del self.groups[gid]
+            outputs.append((group, out))
+        if self.config.debug_invariants:
+            self.scheduler.check_invariants()
+        self._refresh_stats()
+        return outputs
+
+    def _fail(self, scheduled: Sequence[object]) -> list[tuple[GroupState, RequestOutput]]:
+        outs = []
+        gids = {s.req.group_id for s in scheduled}  # type: ignore[attr-defined]
+        for gid in gids:
+            group = self.groups.get(gid)
+            out = self.abort(gid, RequestStatus.FINISHED_ERROR)
+            if group is not None and out is not None:
+                outs.append((group, out))
+        self._refresh_stats()
+        return outs
+
+    def _refresh_stats(self) -> None:
+        s = self.stats
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.num_preempted_waiting = sum(1 for r in self.scheduler.waiting if r.status is RequestStatus.PREEMPTED)
+        s.kv_cache_usage = self.kv.usage
+        s.num_free_blocks = self.kv.num_free_blocks
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_queries = self.kv.prefix_queries
+        s.prefix_cache_hits = self.kv.prefix_hits
+        s.rejections = dict(self.scheduler.rejections)
+
+
+__all__ = ["EngineInfo", "LLMEngine", "StepResult"]

@@ -1,0 +1,161 @@
+"""Runs one step's batch through the model in a single forward pass, then samples.
+
+The runner owns the KV cache tensors. It flattens the scheduled chunks into
+one batch (decodes first, as the attention contract asks), builds the
+AttentionMetadata, runs the model once, and computes logits only for rows
+that sample (the last token of a chunk that reaches the end of its sequence)
+or that need prompt logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.outputs import PositionLogprobs, TokenLogprob
+from engine.request import Request
+from engine.sampler import GrammarMaskFn, Sampler, SamplerOutput
+from engine.scheduler import ScheduledRequest
+
+# Builds the grammar mask for the rows about to be sampled (None: no constraint).
+GrammarMaskFactory = Callable[[Sequence[Request]], GrammarMaskFn | None]
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens of the requests whose chunk reached their last token."""
+
+    sampled: dict[str, tuple[int, PositionLogprobs | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        self.sampler = Sampler()
+
+    def prepare(self, batch: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flatten ``batch`` (already ordered decodes first) into model inputs."""
+        bs = self.block_size
+        ids: list[int] = []
+        seq_idx: list[int] = []
+        starts: list[int] = []
+        qlens: list[int] = []
+        seq_lens: list[int] = []
+        qsl = [0]
+        max_blocks = 1
+        for i, s in enumerate(batch):
+            toks = s.req.all_token_ids[s.start : s.start + s.num_new_tokens]
+            ids.extend(toks)
+            seq_idx.extend([i] * s.num_new_tokens)
+            starts.append(s.start)
+            qlens.append(s.num_new_tokens)
+            seq_lens.append(s.start + s.num_new_tokens)
+            qsl.append(qsl[-1] + s.num_new_tokens)
+            max_blocks = max(max_blocks, len(s.req.block_ids))
+        table = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
+        for i, s in enumerate(batch):
+            table[i, : len(s.req.block_ids)] = torch.tensor(s.req.block_ids, dtype=torch.int32)
+        seq_idx_t = torch.tensor(seq_idx, dtype=torch.long)
+        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        # position of each flattened token = its sequence's start + offset within the chunk
+        offs = torch.arange(len(ids), dtype=torch.long) - qsl_t[:-1].long()[seq_idx_t]
+        positions = torch.tensor(starts, dtype=torch.long)[seq_idx_t] + offs
+        slots = table[seq_idx_t, positions // bs].long() * bs + positions % bs
+        num_decodes = 0
+        while num_decodes < len(qlens) and qlens[num_decodes] == 1:
+            num_decodes += 1
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=qsl_t.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=table.to(dev, non_blocking=True),
+            slot_mapping=slots.to(dev, non_blocking=True),
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
+            query_lens_cpu=qlens,
+            seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=qsl,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        return input_ids, positions.to(dev, non_blocking=True), meta
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        grammar_mask_for: GrammarMaskFactory | None = None,
+    ) -> StepResult:
+        # Decodes (query length 1) first: the attention contract groups them.
+        batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        result = StepResult()
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        for i, s in enumerate(batch):
+            end = meta.query_start_loc_cpu[i + 1]
+            if s.completes_sequence:
+                sample_rows.append(end - 1)
+                sample_reqs.append(s.req)
+            plp = s.req.params.prompt_logprobs
+            if plp is not None and s.start < s.req.num_prompt_tokens:
+                result.prompt_logprobs[s.req.request_id] = self._prompt_logprobs(
+                    hidden, meta.query_start_loc_cpu[i], s, plp
+                )
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+            mask = grammar_mask_for(sample_reqs) if grammar_mask_for is not None else None
+            out: SamplerOutput = self.sampler(logits, sample_reqs, mask)
+            for req, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs):
+                result.sampled[req.request_id] = (tok, lp)
+        return result
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, row0: int, s: ScheduledRequest, k: int
+    ) -> list[PositionLogprobs]:
+        """Logprobs of prompt tokens ``start+1 .. `` predicted by this chunk's rows."""
+        last_prompt = s.req.num_prompt_tokens - 1
+        n = min(s.num_new_tokens, last_prompt - s.start)
+        if n <= 0:
+            return []
+        logp = torch.log_softmax(self.model.compute_logits(hidden[row0 : row0 + n]).float(), dim=-1)
+        targets = torch.tensor(s.req.prompt_token_ids[s.start + 1 : s.start + 1 + n], device=logp.device)
+        chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+        tops_v: list[list[float]] = [[] for _ in range(n)]
+        tops_i: list[list[int]] = [[] for _ in range(n)]
+        if k:
+            v, ix = logp.topk(k, dim=-1)
+            tops_v, tops_i = v.tolist(), ix.tolist()
+        tl = targets.tolist()
+        return [
+            PositionLogprobs(
+                TokenLogprob(tl[j], chosen[j]), [TokenLogprob(a, b) for a, b in zip(tops_i[j], tops_v[j])]
+            )
+            for j in range(n)
+        ]
+
+

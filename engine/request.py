@@ -1,0 +1,118 @@
+"""A request as the scheduler sees it: its tokens and how many are computed.
+
+One scheduling model: a step computes "the next N tokens" of a request,
+``all_token_ids[num_computed_tokens : num_computed_tokens + N]``. Prefill,
+chunked prefill, prefix-cache hits (which advance ``num_computed_tokens``
+without compute) and decode (N = 1) are all that one operation.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import RequestMetrics
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated (a choice of an n > 1 request is its own Request).
+
+    Invariants (checked in debug mode after every step):
+    * ``block_ids`` covers exactly ``ceil(num_computed_tokens / block_size)``
+      blocks between steps; during a step it covers the scheduled tokens too.
+    * ``num_computed_tokens <= len(all_token_ids)``.
+    The request owns one reference to every block in ``block_ids`` and gives
+    them all back (KVCacheManager.free) when it finishes or is preempted.
+    """
+
+    request_id: str
+    group_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # monotonic seconds: finish-by (latency budget)
+    ttft_deadline: float | None = None
+    cache_salt: str | None = None
+    max_model_len: int = 1 << 30
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # keys of the request's full blocks
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Set for choices 1..n-1: admitted only after the first choice computed the
+    # prompt, so that they share its blocks instead of recomputing it.
+    prefix_source: Request | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        self.metrics.arrival_time = self.arrival_time
+        if self.params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(self.params.seed + self.index)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus the most output this request may produce."""
+        max_out = self.params.max_tokens
+        total = self.num_prompt_tokens + (max_out if max_out is not None else self.max_model_len)
+        return min(total, self.max_model_len)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def cache_extra_key(self) -> bytes:
+        return self.cache_salt.encode() if self.cache_salt else b""

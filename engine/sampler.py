@@ -1,0 +1,201 @@
+"""Sampling, vectorised over the batch: no Python loop over the vocabulary.
+
+Order of processing (as vLLM): logit_bias and min_tokens masks, penalties,
+grammar mask, then temperature; greedy rows take the argmax, the rest are
+filtered by top-k, top-p and min-p and sampled with the exponential-race
+trick (argmax of p / Exp(1) noise), whose noise comes from the request's own
+generator when it has a seed, so its samples do not depend on the batch.
+Logprobs are those of the model's own log-softmax (before processing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import PositionLogprobs, TokenLogprob
+from engine.request import Request
+
+# Fills ``bitmask``-style constraints for some rows: called with the logits
+# (after penalties, before temperature) to mask tokens in place.
+GrammarMaskFn = Callable[[torch.Tensor], None]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]
+
+
+def _pad(rows: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
+    """Presence, frequency (output tokens) and repetition (prompt + output) penalties."""
+    vocab = logits.shape[1]
+    device = logits.device
+    presence = torch.tensor([r.params.presence_penalty for r in reqs], device=device)
+    frequency = torch.tensor([r.params.frequency_penalty for r in reqs], device=device)
+    repetition = torch.tensor([r.params.repetition_penalty for r in reqs], device=device)
+    if bool((presence != 0).any()) or bool((frequency != 0).any()):
+        out_tokens = _pad([r.output_token_ids for r in reqs], vocab).to(device)
+        counts = torch.zeros(len(reqs), vocab + 1, device=device)
+        counts.scatter_add_(1, out_tokens, torch.ones_like(out_tokens, dtype=counts.dtype))
+        counts = counts[:, :vocab]
+        logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+    if bool((repetition != 1.0).any()):
+        seen_tokens = _pad([r.all_token_ids for r in reqs], vocab).to(device)
+        seen = torch.zeros(len(reqs), vocab + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, seen_tokens, True)
+        seen = seen[:, :vocab]
+        rp = repetition[:, None].expand_as(logits)
+        penalised = torch.where(logits > 0, logits / rp, logits * rp)
+        logits.copy_(torch.where(seen, penalised, logits))
+
+
+class Sampler:
+    """Turns a step's logits (one row per sampling request) into tokens."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Request],
+        grammar_mask: GrammarMaskFn | None = None,
+    ) -> SamplerOutput:
+        logits = logits.float()
+        n, vocab = logits.shape
+        device = logits.device
+        want_logprobs = [r.params.logprobs for r in reqs]
+        raw_logprobs = None
+        if any(k is not None for k in want_logprobs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        # Additive biases and hard masks, gathered as index lists.
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        for i, r in enumerate(reqs):
+            p = r.params
+            if p.logit_bias:
+                for tok, bias in p.logit_bias.items():
+                    if tok < vocab:
+                        rows.append(i)
+                        cols.append(tok)
+                        vals.append(bias)
+            if r.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+                for tok in banned:
+                    if tok < vocab:
+                        rows.append(i)
+                        cols.append(tok)
+                        vals.append(float("-inf"))
+        if rows:
+            logits.index_put_(
+                (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                torch.tensor(vals, device=device),
+                accumulate=True,
+            )
+        if any(
+            r.params.presence_penalty or r.params.frequency_penalty or r.params.repetition_penalty != 1.0
+            for r in reqs
+        ):
+            apply_penalties(logits, reqs)
+        if grammar_mask is not None:
+            grammar_mask(logits)
+
+        temps = [r.params.temperature for r in reqs]
+        greedy = [t == 0.0 for t in temps]
+        tokens = torch.empty(n, dtype=torch.long, device=device)
+        if any(greedy):
+            g_idx = torch.tensor([i for i, g in enumerate(greedy) if g], device=device)
+            tokens[g_idx] = logits[g_idx].argmax(dim=-1)
+        if not all(greedy):
+            s_list = [i for i, g in enumerate(greedy) if not g]
+            s_idx = torch.tensor(s_list, device=device)
+            tokens[s_idx] = self._sample(logits[s_idx], [reqs[i] for i in s_list])
+
+        token_list = tokens.tolist()
+        logprobs: list[PositionLogprobs | None] = [None] * n
+        if raw_logprobs is not None:
+            logprobs = self._gather_logprobs(raw_logprobs, tokens, want_logprobs)
+        return SamplerOutput(token_list, logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        device = logits.device
+        temp = torch.tensor([r.params.temperature for r in reqs], device=device)
+        probs = torch.softmax(logits / temp[:, None], dim=-1)
+        probs = filter_probs(
+            probs,
+            top_k=[r.params.top_k for r in reqs],
+            top_p=[r.params.top_p for r in reqs],
+            min_p=[r.params.min_p for r in reqs],
+        )
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
+        if unseeded:
+            idx = torch.tensor(unseeded, device=device)
+            noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(device)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _gather_logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, want: Sequence[int | None]
+    ) -> list[PositionLogprobs | None]:
+        chosen = raw.gather(1, tokens[:, None]).squeeze(1).tolist()
+        k = max((w for w in want if w is not None), default=0)
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if k > 0:
+            v, ix = raw.topk(k, dim=-1)
+            top_vals, top_ids = v.tolist(), ix.tolist()
+        toks = tokens.tolist()
+        out: list[PositionLogprobs | None] = []
+        for i, w in enumerate(want):
+            if w is None:
+                out.append(None)
+                continue
+            top = [TokenLogprob(top_ids[i][j], top_vals[i][j]) for j in range(w)] if w else []
+            out.append(PositionLogprobs(TokenLogprob(toks[i], chosen[i]), top))
+        return out
+
+
+def filter_probs(
+    probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
+) -> torch.Tensor:
+    """Zero the probabilities outside top-k, then top-p, then min-p, per row.
+
+    Order: top-k; top-p over the renormalised top-k distribution; min-p
+    relative to the most likely token. The result is not renormalised: the
+    exponential race samples proportionally to what is left.
+    """
+    device = probs.device
+    vocab = probs.shape[1]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    if any(p < 1.0 for p in top_p) or any(k < vocab for k in ks):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        keep = ranks < torch.tensor(ks, device=device)[:, None]
+        p_t = torch.tensor(top_p, device=device, dtype=probs.dtype)[:, None]
+        sorted_p = sorted_p.masked_fill(~keep, 0.0)
+        # top-p over what top-k left (renormalised): keep a token while the mass
+        # before it is below top_p, so the most likely token always stays.
+        before = (sorted_p.cumsum(dim=-1) - sorted_p) / sorted_p.sum(dim=-1, keepdim=True)
+        sorted_p = sorted_p.masked_fill(before >= p_t, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    if any(m > 0 for m in min_p):
+        m_t = torch.tensor(min_p, device=device, dtype=probs.dtype)[:, None]
+        threshold = m_t * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs

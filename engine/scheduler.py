@@ -1,0 +1,278 @@
+"""The scheduler: decides which requests compute how many tokens each step.
+
+Every step has a token budget (``max_num_batched_tokens``) shared by all
+requests. Running requests are served first in policy order (decodes need
+one token; a request mid-prefill gets its next chunk), then waiting requests
+are admitted in policy order while budget, sequence slots and KV blocks last.
+A running request that cannot get the blocks it needs triggers preemption
+(recompute: its blocks are freed, it goes back to waiting, and prefix caching
+finds its computed blocks again on resume).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError, RequestRejectedError
+from engine.kv_cache_manager import KVCacheManager
+from engine.policies import (
+    AdmissionPolicy,
+    AdmissionState,
+    FCFSOrdering,
+    LatencyPredictor,
+    LowestPriorityLatestVictim,
+    OrderingPolicy,
+    PreemptionPolicy,
+    PressureAwareAdmission,
+    PriorityOrdering,
+)
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """``req`` computes ``all_token_ids[start : start + num_new_tokens]`` this step."""
+
+    req: Request
+    num_new_tokens: int
+    start: int
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token past the prompt: the common decode step."""
+        return self.num_new_tokens == 1 and self.start >= self.req.num_prompt_tokens
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this chunk reaches the request's last known token (so it samples)."""
+        return self.start + self.num_new_tokens == self.req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if not s.is_decode)
+
+
+class Scheduler:
+    """Owns the waiting and running sets and the KV manager's allocations."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+        ordering: OrderingPolicy | None = None,
+        preemption: PreemptionPolicy | None = None,
+        admission: AdmissionPolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.clock = clock
+        if ordering is None:
+            ordering = PriorityOrdering() if config.scheduling_policy == "priority" else FCFSOrdering()
+        self.ordering = ordering
+        self.preemption = preemption or LowestPriorityLatestVictim()
+        self.admission = admission or PressureAwareAdmission()
+        self.predictor = LatencyPredictor()
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.rejections: dict[str, int] = {}
+        self._preemption_times: deque[float] = deque()
+
+    # ---- arrivals -----------------------------------------------------
+    def check_fits(self, req: Request) -> None:
+        """400 at once for a request that can never fit in the KV cache."""
+        need = self.kv.blocks_needed(req.max_total_tokens)
+        if need > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"This request needs up to {req.max_total_tokens} tokens of KV cache "
+                f"({need} blocks) but the cache holds only {self.kv.num_blocks * self.kv.block_size} "
+                f"tokens. Reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
+
+    def admission_state(self) -> AdmissionState:
+        now = self.clock()
+        while self._preemption_times and now - self._preemption_times[0] > 10.0:
+            self._preemption_times.popleft()
+        ahead = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        ahead += sum(
+            r.num_tokens - r.num_computed_tokens for r in self.running if r.num_computed_tokens < r.num_tokens - 1
+        )
+        return AdmissionState(
+            num_waiting=len(self.waiting),
+            max_waiting=self.config.max_waiting_requests,
+            kv_usage=self.kv.usage,
+            preemptions_per_s=len(self._preemption_times) / 10.0,
+            num_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
+            prefill_tokens_ahead=ahead,
+            predictor=self.predictor,
+            now=now,
+        )
+
+    def add_request(self, req: Request, *, admit_check: bool = True) -> None:
+        """Queue ``req``; raises InvalidRequestError (never fits) or RequestRejectedError."""
+        self.check_fits(req)
+        if admit_check:
+            verdict = self.admission.check(req, self.admission_state())
+            if verdict is not None:
+                reason, message, retry_after = verdict
+                self.rejections[reason] = self.rejections.get(reason, 0) + 1
+                raise RequestRejectedError(message, reason=reason, retry_after=retry_after)
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+
+    # ---- the step -----------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        key = lambda r: self.ordering.key(r, now)  # noqa: E731
+        self.running.sort(key=key)
+        scheduled_ids: set[str] = set()
+
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step to make room
+            num_new = min(
+                req.num_tokens - req.num_computed_tokens, self.max_model_len - req.num_computed_tokens
+            )
+            if num_new <= 0:
+                continue
+            if num_new > budget:
+                if not chunked and out.scheduled:
+                    continue
+                # Without chunking a prompt larger than the budget still runs whole,
+                # alone in its step (vLLM requires budget >= max_model_len instead).
+                num_new = budget if chunked else num_new
+            while not self.kv.allocate_slots(req, num_new):
+                candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+                victim = self.preemption.pick_victim(candidates, req, self.ordering, now)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
+            scheduled_ids.add(req.request_id)
+            budget -= num_new
+
+        if not out.preempted:
+            self._admit_waiting(out, budget, now)
+        for s in out.scheduled:
+            if s.req.metrics.first_scheduled_time is None:
+                s.req.metrics.first_scheduled_time = now
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        chunked = self.config.enable_chunked_prefill
+        self.waiting.sort(key=lambda r: self.ordering.key(r, now))
+        admitted: list[Request] = []
+        for req in self.waiting:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            src = req.prefix_source
+            if src is not None and not src.is_finished and src.num_computed_tokens < src.num_prompt_tokens:
+                continue  # wait until the first choice has computed the shared prompt
+            cached = []
+            share_blocks = 0
+            if src is not None and not src.is_finished and req.num_computed_tokens == 0:
+                share_blocks = min((req.num_tokens - 1) // self.kv.block_size, len(src.block_ids))
+            if share_blocks == 0:
+                cached = self.kv.find_cached_prefix(req)
+            hit = (share_blocks or len(cached)) * self.kv.block_size
+            num_new = req.num_tokens - req.num_computed_tokens - hit
+            if num_new > budget:
+                if not chunked and (out.scheduled or admitted):
+                    break
+                num_new = budget if chunked else num_new
+            if share_blocks:
+                if not self.kv.can_allocate(req, share_blocks * self.kv.block_size + num_new):
+                    break
+                self.kv.share_prefix(src, req, share_blocks)  # type: ignore[arg-type]
+                ok = self.kv.allocate_slots(req, num_new)
+            else:
+                ok = self.kv.allocate_slots(req, num_new, cached)
+            if not ok:
+                break
+            if req.metrics.first_scheduled_time is None:
+                self.kv.record_prefix_query(req, hit)
+                req.num_cached_tokens = hit
+            req.status = RequestStatus.RUNNING
+            admitted.append(req)
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
+            budget -= num_new
+        if admitted:
+            gone = {r.request_id for r in admitted}
+            self.waiting = [r for r in self.waiting if r.request_id not in gone]
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.metrics.num_preemptions += 1
+        self.waiting.append(victim)
+        self.num_preemptions += 1
+        self._preemption_times.append(self.clock())
+        out.preempted.append(victim)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance ``num_computed_tokens`` for what ran; cache the full blocks."""
+        for s in out.scheduled:
+            s.req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(s.req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End ``req`` (any way it ends) and give back all its blocks."""
+        if req.is_finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        req.metrics.finished_time = self.clock()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def check_invariants(self) -> None:
+        self.kv.pool.check_invariants()
+        held = 0
+        for req in self.running + self.waiting:
+            self.kv.check_request(req)
+            held += len(req.block_ids)
+        refs = sum(b.ref_count for b in self.kv.pool.blocks)
+        if refs != held:
+            raise AssertionError(f"{refs} block references but requests hold {held}")

