@@ -80,7 +80,12 @@ def process_token(
             req.stop_reason = matched
             status = RequestStatus.FINISHED_STOPPED
     if status is not None:
-        text += finish_text(choice, status)
+        tail, matched = finish_text(choice)
+        text += tail
+        if matched:
+            # The stop string completed only in text held back until the end
+            # (e.g. an unfinished UTF-8 sequence): it is a stop, not a length finish.
+            status = RequestStatus.FINISHED_STOPPED
     delta = CompletionDelta(
         index=req.index,
         delta_text=text,
@@ -93,19 +98,19 @@ def process_token(
     return delta, status
 
 
-def finish_text(choice: ChoiceState, status: RequestStatus) -> str:
-    """Text still held back when a choice ends without a stop-string match."""
+def finish_text(choice: ChoiceState) -> tuple[str, bool]:
+    """Text still held back when a choice ends, and whether it completed a stop string."""
     choice.finished = True
     if isinstance(choice.req.stop_reason, str):
-        return ""
+        return "", False
     tail = choice.detok.flush()
     if choice.stops is not None:
         emit, matched = choice.stops.feed(tail)
         if matched is not None:
             choice.req.stop_reason = matched
-            return emit
-        return emit + choice.stops.flush()
-    return tail
+            return emit, True
+        return emit + choice.stops.flush(), False
+    return tail, False
 
 
 def final_delta(choice: ChoiceState, status: RequestStatus) -> CompletionDelta:
