@@ -37,3 +37,8 @@ class EngineConfig:
     debug_invariants: bool = False
     max_logprobs: int = 20
     chat_template: str | None = None
+    # Request traces (engine/trace.py): kept in memory, bounded, metadata only
+    # unless log_prompts.
+    enable_request_traces: bool = False
+    max_traces: int = 1000
+    log_prompts: bool = False

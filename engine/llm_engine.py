@@ -34,6 +34,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
 from engine.tokenizer import Tokenizer
+from engine.trace import NullTraceRecorder, TraceRecorder, TraceStore
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +82,12 @@ class LLMEngine:
         self.model_config = load_model_config(path)
         self.tokenizer = Tokenizer.load(path, config.tokenizer)
         mc = self.model_config
-        max_len = config.max_model_len or mc.max_position_embeddings
-        if max_len > mc.max_position_embeddings:
+        supported = mc.max_supported_len()
+        max_len = config.max_model_len or supported
+        if max_len > supported:
             raise ValueError(
-                f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
-                f"{mc.max_position_embeddings}"
+                f"--max-model-len {max_len} exceeds what the model supports ({supported} tokens: "
+                "max_position_embeddings, capped by a sliding window the backends do not implement)"
             )
         backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(path, mc, backend, dtype, device)
@@ -106,6 +108,11 @@ class LLMEngine:
         self.groups: dict[str, GroupState] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
         self.grammar_mask_factory = None  # set by the structured-output layer when available
+        self.traces: TraceStore | None = None
+        self.tracer: TraceRecorder = NullTraceRecorder()
+        if config.enable_request_traces:
+            self.traces = TraceStore(config.max_traces)
+            self.tracer = TraceRecorder(self.traces, log_prompts=config.log_prompts)
 
     # ---- sizing -------------------------------------------------------
     def _num_blocks(self, device: torch.device, dtype: torch.dtype) -> int:
@@ -217,6 +224,8 @@ class LLMEngine:
             raise
         for r in reqs[1:]:
             self.scheduler.add_request(r, admit_check=False)
+        for r in reqs:
+            self.tracer.on_arrival(r.request_id, now)
         group = GroupState(group_id, list(prompt_token_ids), [make_choice(self.tokenizer, r) for r in reqs], sink)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
@@ -231,6 +240,7 @@ class LLMEngine:
         for c in group.choices:
             if not c.finished:
                 self.scheduler.finish(c.req, status)
+                self.tracer.on_finished(c.req.request_id, self.clock(), status.value)
                 deltas.append(final_delta(c, status))
         return build_output(group, deltas)
 
@@ -240,7 +250,11 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------
     def step(self) -> list[tuple[GroupState, RequestOutput]]:
         sched = self.scheduler.schedule()
-        self.stats.num_preemptions = self.scheduler.num_preemptions
+        now = self.clock()
+        for r in sched.preempted:
+            self.tracer.on_preempted(r.request_id, now)
+        for s in sched.scheduled:
+            self.tracer.on_scheduled(s.req.request_id, now)
         if not sched.scheduled:
             self._refresh_stats()
             return []
@@ -254,6 +268,8 @@ class LLMEngine:
         self.scheduler.predictor.observe(sched.num_prefill_tokens, sched.num_decodes, dt)
         self.scheduler.update_after_step(sched)
         now = self.clock()
+        if self.tracer.enabled:
+            self._trace_step(sched, dt)
         self.stats.num_steps += 1
         self.stats.prompt_tokens += sum(
             min(s.num_new_tokens, max(s.req.num_prompt_tokens - s.start, 0)) for s in sched.scheduled
@@ -280,6 +296,12 @@ class LLMEngine:
             delta, status = process_token(choice, token, lp)
             if status is not None:
                 self.scheduler.finish(req, status)
+                self.tracer.on_finished(req.request_id, now, status.value)
+                self.tracer.on_content(
+                    req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=req.output_token_ids,
+                )
             per_group.setdefault(req.group_id, []).append(delta)
 
         outputs = []
@@ -293,6 +315,25 @@ class LLMEngine:
             self.scheduler.check_invariants()
         self._refresh_stats()
         return outputs
+
+    def _trace_step(self, sched: object, dt: float) -> None:
+        ms = dt * 1000.0
+        scheduled = sched.scheduled  # type: ignore[attr-defined]
+        for s in scheduled:
+            rid = s.req.request_id
+            if s.is_decode:
+                self.tracer.on_decode_step(rid, ms, len(scheduled))
+            else:
+                if s.start == s.req.num_cached_tokens and s.req.num_cached_tokens:
+                    self.tracer.on_prefix_hit(rid, s.req.num_cached_tokens)
+                self.tracer.on_prefill_chunk(rid, s.num_new_tokens, s.start, ms)
+            self.tracer.on_blocks(rid, len(s.req.block_ids))
+
+    def get_trace(self, request_id: str) -> object | None:
+        """The trace of a request (or of choice 0 of an n > 1 request), if tracing is on."""
+        if self.traces is None:
+            return None
+        return self.traces.get(request_id) or self.traces.get(f"{request_id}-0")
 
     def _fail(self, scheduled: Sequence[object]) -> list[tuple[GroupState, RequestOutput]]:
         outs = []

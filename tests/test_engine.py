@@ -220,3 +220,23 @@ def test_default_gguf_greedy_matches_transformers() -> None:
                 tokens.setdefault(out.request_id, []).extend(d.delta_token_ids)
         step += 1
     assert tokens["t"] == want
+
+
+def test_request_traces_add_up_and_hold_no_text(tiny_dirs: dict[str, Path]) -> None:
+    from engine.trace import DecodeStep, PrefillChunk, QueueWait, review_for_publication, summarize_timings
+
+    eng = tiny_engine(tiny_dirs["llama"], enable_request_traces=True, max_num_batched_tokens=8)
+    eng.add_request("t", list(range(3, 23)), greedy(5))
+    while eng.has_unfinished():
+        eng.step()
+    trace = eng.get_trace("t")
+    assert trace is not None
+    kinds = [type(e) for e in trace.events]
+    assert kinds.count(PrefillChunk) == 3  # 20 prompt tokens in chunks of 8, 8, 4
+    assert kinds.count(DecodeStep) == 4
+    assert kinds[0] is QueueWait
+    summary = summarize_timings(trace)
+    assert summary.consistent and summary.e2e_ms is not None
+    published = review_for_publication(trace)
+    assert "prompt_text" not in str(published) or published.get("prompt_text") is None
+    assert trace.prompt_token_ids is None and trace.output_token_ids is None

@@ -1,0 +1,328 @@
+"""Llama-family decoder over the paged KV cache.
+
+One implementation covers Llama 2/3 (with llama3 RoPE scaling), SmolLM/SmolLM2,
+Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm before RoPE).
+
+The input is a flattened batch (``[T]`` token ids with their positions, see
+``engine/attention/base.py``); there is no batch dimension and no padding.
+q/k/v and gate/up are fused into single linears: on CPU one larger matmul per
+step is markedly cheaper than several small ones. Weights are loaded from
+Hugging Face names (``load_weights``), which are mapped onto the fused
+parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, cast back, then scaled (Hugging Face's order)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (self.dim,), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32) with the config's scaling."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by ``factor``, short ones kept, the band in
+        # between interpolated smoothly (Llama 3.1's recipe).
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported RoPE scaling type {rope_type!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin for every position up to ``max_position_embeddings``.
+
+    ``cos_sin_cache`` is ``[max_positions, head_dim]`` float32: cos in the first
+    half, sin in the second. It is a non-persistent buffer, so after building on
+    the meta device and ``to_empty`` it must be refilled with
+    ``initialize_cache``.
+    """
+
+    cos_sin_cache: torch.Tensor
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        self.initialize_cache()
+
+    def initialize_cache(self) -> None:
+        """(Re)compute the cache on the device of the buffer currently held."""
+        device = self.cos_sin_cache.device
+        if device.type == "meta":
+            self.cos_sin_cache = torch.empty(
+                self.config.max_position_embeddings, self.config.head_dim, device=device
+            )
+            return
+        inv_freq = rope_inv_freq(self.config)
+        t = torch.arange(self.config.max_position_embeddings, dtype=torch.float32, device="cpu")
+        # float32 outer product, as transformers does, so positions agree bit for bit.
+        freqs = torch.outer(t, inv_freq)
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.cos_sin_cache = cache.to(device=device, dtype=torch.float32)
+
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape ``[T, 1, head_dim // 2]`` in ``dtype`` for ``positions``."""
+        cs = self.cos_sin_cache.index_select(0, positions).to(dtype)
+        cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` by half-split (GPT-NeoX / HF Llama) RoPE."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # Shared by every layer; not a submodule (it holds no parameters).
+        self.attn_backend = attn_backend
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        o = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, attn_backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attn_backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+# HF per-projection names -> (our fused parameter, shard index within it).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_FUSED_NAME = re.compile(r"^(.*\.)(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM head over ``LlamaModel``.
+
+    With tied embeddings there is no ``lm_head`` module: logits use
+    ``model.embed_tokens.weight`` directly, so the tie survives any
+    device/dtype move.
+    """
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def initialize_buffers(self) -> None:
+        """Recompute non-persistent buffers (RoPE cache); call after ``to_empty``."""
+        self.model.rotary_emb.initialize_cache()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the flattened batch; returns final-normed hidden states ``[T, hidden]``.
+
+        ``kv_caches[i]`` is layer ``i``'s ``(k_cache, v_cache)``; the new tokens'
+        keys/values are written into the slots ``meta.slot_mapping`` names.
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb.lookup(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` in float32 for hidden states ``[N, hidden]``."""
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return F.linear(hidden, weight).float()
+
+    def expected_weight_names(self) -> set[str]:
+        """The Hugging Face tensor names ``load_weights`` requires."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():
+            m = re.match(r"^(.*\.)(qkv_proj|gate_up_proj)\.(weight|bias)$", name)
+            if m is None:
+                names.add(name)
+                continue
+            prefix, fused, kind = m.groups()
+            parts = (
+                ("q_proj", "k_proj", "v_proj") if fused == "qkv_proj" else ("gate_proj", "up_proj")
+            )
+            names.update(f"{prefix}{p}.{kind}" for p in parts)
+        return names
+
+    def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
+        """(start row, row count) of shard ``shard`` inside fused parameter ``fused``."""
+        cfg = self.config
+        if fused == "qkv_proj":
+            q = cfg.num_attention_heads * cfg.head_dim
+            kv = cfg.num_key_value_heads * cfg.head_dim
+            return ((0, q), (q, kv), (q + kv, kv))[shard]
+        i = cfg.intermediate_size
+        return ((0, i), (i, i))[shard]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into our (fused) parameters.
+
+        Tensors are cast to each parameter's dtype and device. Names that are
+        not ours are an error, except ``*.rotary_emb.inv_freq`` (recomputed
+        from the config) and ``lm_head.weight`` when embeddings are tied (it
+        is, by definition, the embedding matrix).
+
+        Raises:
+            ValueError: an unexpected name, a shape mismatch, a tensor given
+                twice, or tensors missing once ``weights`` is exhausted.
+        """
+        params = dict(self.named_parameters())
+        expected = self.expected_weight_names()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            if name not in expected:
+                raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
+            if name in loaded:
+                raise ValueError(f"weight {name!r} given twice")
+            m = _FUSED_NAME.match(name)
+            if m is not None:
+                prefix, part, kind = m.groups()
+                fused, shard = _FUSED[part]
+                start, rows = self._shard_rows(fused, shard)
+                target = params[f"{prefix}{fused}.{kind}"][start : start + rows]
+            else:
+                target = params[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name)
+        missing = expected - loaded
+        if missing:
+            shown = ", ".join(sorted(missing)[:8])
+            more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+            raise ValueError(f"missing {len(missing)} weights: {shown}{more}")

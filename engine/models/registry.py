@@ -1,0 +1,43 @@
+"""Architecture name -> model implementation.
+
+Keys are Hugging Face ``config.architectures[0]`` names plus GGUF
+``general.architecture`` names (``llama``, ``qwen2``, ``qwen3``).
+"""
+
+from __future__ import annotations
+
+from engine.models.llama import LlamaForCausalLM
+
+# Every supported family is served by one class today; a second implementation
+# would introduce a shared base class (forward/compute_logits/load_weights).
+ModelClass = type[LlamaForCausalLM]
+
+_MODELS: dict[str, ModelClass] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    """Every architecture name ``get_model_class`` accepts, sorted."""
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> ModelClass:
+    """The implementation class for ``architecture``.
+
+    Raises:
+        ValueError: the architecture is not supported (the message lists those that are).
+    """
+    cls = _MODELS.get(architecture)
+    if cls is None:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    return cls

@@ -1,0 +1,411 @@
+"""Triton kernels vs their torch references, and the Triton vs torch attention backends.
+
+Without CUDA the kernels run under the Triton CPU interpreter, which Triton
+selects when a kernel is decorated (``@triton.jit`` at kernel-module import),
+so ``TRITON_INTERPRET`` is set here before anything imports the kernels. With
+CUDA (``loadtest/gpu_check.py`` runs this file with ``TRITON_INTERPRET=0``)
+the same tests run compiled kernels on the GPU.
+
+Tolerances are absolute+relative per dtype (``TOL``): fp32 near-exact (ieee
+dots), fp16 ~ a few ulps of 2^-10 after the fp16 P@V dot, bf16 ~ a few ulps of
+2^-7 for the same reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+from triton.runtime.interpreter import InterpretedFunction
+
+from engine.attention.base import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.triton_backend import TritonAttentionBackend
+from kernels import cache_write, fused_ops, paged_attention
+from kernels.cache_write import store_kvcache, store_kvcache_ref
+from kernels.fused_ops import (
+    rms_norm,
+    rms_norm_ref,
+    rotary_embedding,
+    rotary_embedding_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
+from kernels.paged_attention import (
+    choose_num_kv_splits,
+    paged_attention_ref,
+)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
+
+# (atol, rtol) per dtype.
+TOL: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (3e-3, 3e-3),
+    torch.bfloat16: (2.5e-2, 2.5e-2),
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def test_interpreter_really_active() -> None:
+    """Off CUDA every kernel must have been built by the interpreter, else nothing ran."""
+    kernels = [
+        paged_attention._attn_kernel,
+        paged_attention._reduce_splits_kernel,
+        cache_write._store_kvcache_kernel,
+        fused_ops._rms_norm_kernel,
+        fused_ops._rope_kernel,
+        fused_ops._silu_and_mul_kernel,
+    ]
+    for kernel in kernels:
+        assert isinstance(kernel, InterpretedFunction) == (DEVICE.type == "cpu"), kernel
+
+
+# ------------------------------------------------------------------ batch builder
+
+
+T = torch.Tensor
+# Positional arguments of paged_attention / paged_attention_ref before ``out``.
+AttnArgs = tuple[T, T, T, T, T, T, int, int, float, int]
+
+
+@dataclass
+class Batch:
+    """A random mixed batch: new q/k/v, caches holding random prefixes, metadata."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+
+    def attn_args(self) -> AttnArgs:
+        m = self.meta
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            m.block_tables,
+            m.seq_lens,
+            m.query_start_loc,
+            m.max_query_len,
+            m.max_seq_len,
+            self.scale,
+            m.num_decodes,
+        )
+
+
+def make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    block_size: int = 4,
+    dtype: torch.dtype = torch.float32,
+    pad_tokens: int = 0,
+    seed: int = 0,
+) -> Batch:
+    """Blocks are handed out in a shuffled order so block tables really matter.
+
+    ``pad_tokens`` extra rows of q/k/v get slot -1 (CUDA-graph padding).
+    """
+    g = torch.Generator().manual_seed(seed)
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    nblks = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(nblks) + 2
+    perm = torch.randperm(num_blocks, generator=g)
+    block_tables = torch.zeros(len(seq_lens), max(nblks) + 1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(nblks):
+        block_tables[i, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    slots: list[int] = []
+    for i, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+        for pos in range(sl - ql, sl):
+            slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
+    slots += [-1] * pad_tokens
+    t = len(slots)
+    shape_c = (num_blocks, block_size, num_kv_heads, head_dim)
+    starts = [0]
+    for ql in query_lens:
+        starts.append(starts[-1] + ql)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        num_decodes=num_decodes,
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        query_start_loc_cpu=starts,
+    )
+    return Batch(
+        q=rnd(t, num_heads, head_dim),
+        k=rnd(t, num_kv_heads, head_dim),
+        v=rnd(t, num_kv_heads, head_dim),
+        k_cache=rnd(*shape_c),
+        v_cache=rnd(*shape_c),
+        meta=meta,
+        scale=head_dim**-0.5,
+    )
+
+
+# Mixed batch (block_size 4): decodes of length 1, 17 (mid-block) and 8 (block
+# boundary); extends with a prefix ending at a block boundary (ctx 8), mid-block
+# (ctx 7), a fresh prefill (ctx 0) and a long chunk spanning several query tiles.
+MIXED_Q = [1, 1, 1, 5, 3, 6, 19]
+MIXED_S = [1, 17, 8, 13, 10, 6, 26]
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+# ------------------------------------------------------------------ cache write
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kvcache_matches_ref(dtype: torch.dtype) -> None:
+    b = make_batch(MIXED_Q, MIXED_S, dtype=dtype, pad_tokens=3)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    store_kvcache(b.k, b.v, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    store_kvcache_ref(b.k, b.v, kc, vc, b.meta.slot_mapping)
+    assert torch.equal(b.k_cache, kc) and torch.equal(b.v_cache, vc)
+    # The written slots really hold the new tokens (the ref is not a no-op).
+    s = int(b.meta.slot_mapping[0])
+    assert torch.equal(kc.view(-1, *kc.shape[2:])[s], b.k[0])
+
+
+def test_store_kvcache_casts_and_skips() -> None:
+    b = make_batch([3], [3], dtype=torch.float32)
+    kc = torch.zeros_like(b.k_cache, dtype=torch.float16)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([5, -1, 0], dtype=torch.int64, device=DEVICE)
+    store_kvcache(b.k, b.v, kc, vc, slots)
+    flat = kc.view(-1, *kc.shape[2:])
+    assert torch.equal(flat[5], b.k[0].half()) and torch.equal(flat[0], b.k[2].half())
+    assert int((flat.abs().sum(dim=(1, 2)) > 0).sum()) == 2  # slot -1 wrote nothing
+
+
+# ------------------------------------------------------------------ paged attention
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "dtype"),
+    [
+        (2, 2, torch.float32),
+        (4, 2, torch.float16),
+        (8, 2, torch.bfloat16),
+        (4, 1, torch.float32),
+    ],
+)
+def test_paged_attention_mixed_batch(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
+    b = make_batch(MIXED_Q, MIXED_S, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype)
+    got = paged_attention.paged_attention(*b.attn_args())
+    want = paged_attention_ref(*b.attn_args())
+    _assert_close(got, want, dtype)
+
+
+class LaunchRecorder:
+    """Stands in for a Triton kernel object and records the grid of every launch."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.grids: list[tuple[int, ...]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_split_k(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Force flash-decoding: several splits, some empty for the shorter sequences."""
+    q_lens, s_lens = [1, 1, 1, 1, 4], [45, 1, 9, 33, 12]
+    b = make_batch(q_lens, s_lens, num_heads=6, num_kv_heads=2, dtype=dtype, seed=3)
+    assert choose_num_kv_splits(45, 4, 2, DEVICE, kv_split_size=8) == 6
+    reduce_launches = LaunchRecorder(paged_attention._reduce_splits_kernel)
+    monkeypatch.setattr(paged_attention, "_reduce_splits_kernel", reduce_launches)
+    got = paged_attention.paged_attention(*b.attn_args(), kv_split_size=8)
+    assert reduce_launches.grids == [(4, 6)]  # the split path really ran: 4 decodes x 6 heads
+    want = paged_attention_ref(*b.attn_args())
+    _assert_close(got, want, dtype)
+    unsplit = paged_attention.paged_attention(*b.attn_args(), kv_split_size=1 << 20)
+    assert len(reduce_launches.grids) == 1  # one split: no reduction pass
+    _assert_close(got, unsplit, dtype)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype"), [(64, torch.bfloat16), (128, torch.float16), (48, torch.float32)]
+)
+def test_paged_attention_head_dims(head_dim: int, dtype: torch.dtype) -> None:
+    """64 and 128 as used by real models; 48 checks the padded (non power of two) path."""
+    b = make_batch([1, 1, 7], [20, 3, 11], head_dim=head_dim, block_size=8, dtype=dtype, seed=1)
+    out = torch.full_like(b.q, float("nan"))
+    got = paged_attention.paged_attention(*b.attn_args(), out=out, kv_split_size=8)
+    assert got is out
+    _assert_close(got, paged_attention_ref(*b.attn_args()), dtype)
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "s_lens"),
+    [([1], [1]), ([1, 1], [4, 5]), ([9], [9]), ([2, 16], [6, 16])],
+    ids=["single-token", "decodes-only", "prefill-only", "extends-only"],
+)
+def test_paged_attention_edge_batches(q_lens: list[int], s_lens: list[int]) -> None:
+    b = make_batch(q_lens, s_lens, num_heads=4, num_kv_heads=2, seed=2)
+    _assert_close(
+        paged_attention.paged_attention(*b.attn_args()),
+        paged_attention_ref(*b.attn_args()),
+        torch.float32,
+    )
+
+
+def test_paged_attention_loose_bounds() -> None:
+    """max_query_len/max_seq_len may overstate the batch (CUDA-graph capture sizes)."""
+    b = make_batch([1, 5, 3], [9, 5, 12], num_heads=4, num_kv_heads=1, seed=4)
+    a = b.attn_args()
+    got = paged_attention.paged_attention(*a[:6], a[6] + 20, a[7] + 100, *a[8:])
+    _assert_close(got, paged_attention_ref(*a), torch.float32)
+
+
+def test_paged_attention_ref_rejects_broken_metadata() -> None:
+    b = make_batch([2, 1], [4, 4])
+    a = b.attn_args()
+    with pytest.raises(ValueError, match="decode"):
+        # num_decodes 1 claims the 2-token first sequence is a decode.
+        paged_attention_ref(*a[:9], 1)
+
+
+def test_choose_num_kv_splits() -> None:
+    cpu = torch.device("cpu")
+    assert choose_num_kv_splits(4096, 1, 1, cpu) == 1
+    assert choose_num_kv_splits(100, 2, 2, cpu, kv_split_size=32) == 4
+    assert choose_num_kv_splits(10**6, 2, 2, cpu, kv_split_size=1) == 64
+    with pytest.raises(ValueError):
+        choose_num_kv_splits(100, 2, 2, cpu, kv_split_size=0)
+
+
+# ------------------------------------------------------------------ backends
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "dtype"),
+    [(4, 2, torch.float32), (4, 1, torch.float16), (3, 3, torch.bfloat16)],
+)
+def test_triton_backend_matches_torch_backend(
+    num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> None:
+    b = make_batch(
+        MIXED_Q, MIXED_S, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype, pad_tokens=2
+    )
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    got = TritonAttentionBackend().forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale)
+    want = TorchAttentionBackend().forward(b.q, b.k, b.v, kc, vc, b.meta, b.scale)
+    assert torch.equal(b.k_cache, kc) and torch.equal(b.v_cache, vc)
+    t = b.meta.query_start_loc_cpu[-1]  # padding rows are unspecified in both
+    _assert_close(got[:t], want[:t], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_backend_matches_ref(dtype: torch.dtype) -> None:
+    b = make_batch(MIXED_Q, MIXED_S, num_heads=4, num_kv_heads=2, dtype=dtype, seed=5)
+    ref_batch = replace(b, k_cache=b.k_cache.clone(), v_cache=b.v_cache.clone())
+    got = TorchAttentionBackend().forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale)
+    store_kvcache_ref(b.k, b.v, ref_batch.k_cache, ref_batch.v_cache, b.meta.slot_mapping)
+    want = paged_attention_ref(*ref_batch.attn_args())
+    _assert_close(got, want, dtype)
+
+
+# ------------------------------------------------------------------ fused ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 96, generator=g).to(DEVICE, dtype)
+    w = torch.randn(96, generator=g).to(DEVICE, dtype)
+    r = torch.randn(5, 3, 96, generator=g).to(DEVICE, dtype) if with_residual else None
+    x0 = x.clone()
+    got = rms_norm(x, w, 1e-6, r)
+    want = rms_norm_ref(x, w, 1e-6, r)
+    assert torch.equal(x, x0)
+    if with_residual:
+        assert isinstance(got, tuple) and isinstance(want, tuple)
+        _assert_close(got[0], want[0], dtype)
+        # One rounding of x + r; the interpreter rounds bf16 by truncation, so
+        # allow one bf16 ulp there (fp32/fp16 must match exactly).
+        exact = dtype != torch.bfloat16
+        torch.testing.assert_close(
+            got[1], want[1], atol=0.0 if exact else 2e-2, rtol=0.0 if exact else 8e-3
+        )
+    else:
+        assert isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
+        _assert_close(got, want, dtype)
+        # Sanity of the reference itself: unit RMS before the weight.
+        unit = rms_norm_ref(x.float(), torch.ones(96, device=DEVICE), 0.0)
+        assert isinstance(unit, torch.Tensor)
+        assert torch.allclose(unit.pow(2).mean(-1), torch.ones(5, 3, device=DEVICE), atol=1e-4)
+
+
+def _cos_sin_cache(max_pos: int, rot_dim: int) -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rot_dim", [32, 16])
+def test_rotary_embedding(dtype: torch.dtype, rot_dim: int) -> None:
+    """Flat ``[T, H*D]`` q and 3-D k; rot_dim 16 < head_dim 32 is partial rotary."""
+    g = torch.Generator().manual_seed(0)
+    head_dim, t = 32, 6
+    pos = torch.tensor([0, 5, 1, 17, 3, 30], device=DEVICE)
+    q = torch.randn(t, 3 * head_dim, generator=g).to(DEVICE, dtype)
+    k = torch.randn(t, 1, head_dim, generator=g).to(DEVICE, dtype)
+    cache = _cos_sin_cache(32, rot_dim)
+    q2, k2 = q.clone(), k.clone()
+    rotary_embedding(pos, q, k, cache, head_dim)
+    rotary_embedding_ref(pos, q2, k2, cache, head_dim)
+    _assert_close(q, q2, dtype)
+    _assert_close(k, k2, dtype)
+    # Position 0 is the identity; other rows really changed; norms are kept.
+    q0 = torch.randn(t, 3 * head_dim, generator=g).to(DEVICE, dtype)
+    q1 = q0.clone()
+    rotary_embedding_ref(pos, q1, k2.clone(), cache, head_dim)
+    assert torch.equal(q1[0], q0[0]) and not torch.equal(q1[3], q0[3])
+    _assert_close(q1.float().norm(), q0.float().norm(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 2 * 40, generator=g).to(DEVICE, dtype)
+    got = silu_and_mul(x)
+    assert got.shape == (2, 3, 40)
+    _assert_close(got, silu_and_mul_ref(x), dtype)
+    gate, up = x[..., :40].float(), x[..., 40:].float()
+    _assert_close(silu_and_mul_ref(x), gate * torch.sigmoid(gate) * up, dtype)
