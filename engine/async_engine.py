@@ -118,6 +118,9 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineUnavailableError("the engine is not running")
         self.engine.validate(prompt_token_ids, params)
+        if params.structured is not None:
+            # Compiling can take a while: do it here, off the engine thread (cached there).
+            await asyncio.to_thread(self.engine.compile_structured, params.structured)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop)
         admitted: asyncio.Future[None] = loop.create_future()

@@ -8,6 +8,7 @@ ended. ``AsyncEngine`` drives it from a thread; ``LLM`` from a plain loop.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,12 +26,15 @@ from engine.output_processor import (
     GroupState,
     build_output,
     final_delta,
+    finish_text,
     make_choice,
     process_token,
 )
 from engine.outputs import CompletionDelta, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampler import GrammarMaskFn
+from engine.sampling_params import SamplingParams, StructuredOutputSpec
+from engine.structured import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
 from engine.tokenizer import Tokenizer
@@ -107,7 +111,9 @@ class LLMEngine:
         self.info = EngineInfo(path, path.stem, device, dtype, num_blocks, config.block_size, max_len)
         self.groups: dict[str, GroupState] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
-        self.grammar_mask_factory = None  # set by the structured-output layer when available
+        self._grammar: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+        self._bitmask: torch.Tensor | None = None
         self.traces: TraceStore | None = None
         self.tracer: TraceRecorder = NullTraceRecorder()
         if config.enable_request_traces:
@@ -151,6 +157,35 @@ class LLMEngine:
             if backend is not None:
                 return str(backend.name)
         return "?"
+
+    # ---- structured output ----------------------------------------------
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """The grammar compiler (built on first use: it indexes the vocabulary)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarCompiler(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
+            return self._grammar
+
+    def compile_structured(self, spec: StructuredOutputSpec) -> None:
+        """Compile (and cache) ``spec``; raises InvalidRequestError. Safe off the engine thread."""
+        self.grammar.compile(spec)
+
+    def _grammar_mask(self, reqs: Sequence[Request]) -> GrammarMaskFn | None:
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
+        if not rows:
+            return None
+        vocab = self.model_config.vocab_size
+        if self._bitmask is None or self._bitmask.shape[0] < len(reqs):
+            self._bitmask = allocate_bitmask(max(len(reqs), 8), vocab)
+        bitmask = self._bitmask
+
+        def mask(logits: torch.Tensor) -> None:
+            for i in rows:
+                reqs[i].grammar.fill_bitmask(bitmask, i)
+            apply_bitmask(logits, bitmask[: len(reqs)], rows)
+
+        return mask
 
     # ---- requests -----------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -216,6 +251,9 @@ class LLMEngine:
             )
         for r in reqs[1:]:
             r.prefix_source = reqs[0]
+        if params.structured is not None:
+            for r in reqs:
+                r.grammar = self.grammar.new_state(params.structured)
         # Admission is decided once for the group, by its first choice.
         try:
             self.scheduler.add_request(reqs[0])
@@ -260,7 +298,7 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         try:
-            result = self.runner.execute(sched.scheduled, self.grammar_mask_factory)
+            result = self.runner.execute(sched.scheduled, self._grammar_mask)
         except Exception:
             logger.exception("model step failed; ending the requests in it")
             return self._fail(sched.scheduled)
@@ -294,6 +332,17 @@ class LLMEngine:
             self.stats.generation_tokens += 1
             choice = group.choices[req.index]
             delta, status = process_token(choice, token, lp)
+            if req.grammar is not None and status is None:
+                if not req.grammar.accept_token(token):
+                    # Cannot happen when the mask was applied; end rather than emit garbage.
+                    logger.error("grammar rejected sampled token %d for %s", token, req.request_id)
+                    status = RequestStatus.FINISHED_ERROR
+                elif req.grammar.is_terminated():
+                    status = RequestStatus.FINISHED_STOPPED
+                if status is not None:
+                    tail, _ = finish_text(choice)
+                    delta.delta_text += tail
+                    delta.finish_reason = status.value
             if status is not None:
                 self.scheduler.finish(req, status)
                 self.tracer.on_finished(req.request_id, now, status.value)

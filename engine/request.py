@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -78,6 +79,9 @@ class Request:
     # Set for choices 1..n-1: admitted only after the first choice computed the
     # prompt, so that they share its blocks instead of recomputing it.
     prefix_source: Request | None = None
+    # Structured output: a grammar matcher (engine.structured.GrammarState) whose
+    # mask constrains sampling; advanced with every sampled token.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -240,3 +240,27 @@ def test_request_traces_add_up_and_hold_no_text(tiny_dirs: dict[str, Path]) -> N
     published = review_for_publication(trace)
     assert "prompt_text" not in str(published) or published.get("prompt_text") is None
     assert trace.prompt_token_ids is None and trace.output_token_ids is None
+
+
+def test_structured_output_follows_schema(tiny_dirs: dict[str, Path]) -> None:
+    import json
+
+    from engine.sampling_params import StructuredOutputSpec
+
+    eng = tiny_engine(tiny_dirs["qwen3"])
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    p = SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured=StructuredOutputSpec(json_schema=schema), n=3)
+    plain = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    # Constrained and unconstrained requests share the same steps.
+    results = LLM(engine=eng).generate([list(range(3, 20)), list(range(3, 20))], [p, plain])
+    for r in results[:3]:
+        assert r.finish_reason == "stop", r
+        value = json.loads(r.text)
+        assert value["a"] in ("x", "yy") and isinstance(value["b"], bool) and set(value) == {"a", "b"}
+    assert results[3].finish_reason == "length"
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
