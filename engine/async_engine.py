@@ -184,23 +184,28 @@ class AsyncEngine:
             except Exception as e:
                 _resolve(cmd.loop, cmd.done, exc=e)
 
+    def _next_command(self) -> _Add | _Abort | _Call | None:
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
     def _run(self) -> None:
         eng = self.engine
         try:
             while not self._stopping:
-                block = not eng.has_unfinished()
-                try:
-                    cmd = self._commands.get(block=block, timeout=0.5 if block else None)
-                except queue.Empty:
-                    continue
-                while cmd is not None or not self._commands.empty():
-                    if cmd is not None:
-                        self._apply(cmd)
+                # Idle: block for the next command. Busy: take whatever is queued, then step.
+                cmd: _Add | _Abort | _Call | None
+                if eng.has_unfinished():
+                    cmd = self._next_command()
+                else:
                     try:
-                        cmd = self._commands.get_nowait()
+                        cmd = self._commands.get(timeout=0.5)
                     except queue.Empty:
-                        cmd = None
-                        break
+                        continue
+                while cmd is not None:
+                    self._apply(cmd)
+                    cmd = self._next_command()
                 if self._stopping:
                     break
                 if eng.has_unfinished():

@@ -280,6 +280,7 @@ class LLMEngine:
                 self.scheduler.finish(c.req, status)
                 self.tracer.on_finished(c.req.request_id, self.clock(), status.value)
                 deltas.append(final_delta(c, status))
+        self._refresh_stats()
         return build_output(group, deltas)
 
     def has_unfinished(self) -> bool:

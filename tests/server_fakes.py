@@ -1,0 +1,234 @@
+"""A scripted fake of ``engine.async_engine.AsyncEngine`` and an OpenAPI schema checker.
+
+The fake tokenizer maps each character to one token (``ord(c) + 10``) so tests
+can predict token counts; the fake engine "generates" a fixed reply character
+by character and records what it was asked, so tests can assert the mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from openapi_schema_validator import OAS31Validator
+
+from engine.errors import EngineUnavailableError, InvalidRequestError, RequestRejectedError
+from engine.outputs import CompletionDelta, PositionLogprobs, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+VOCAB = 1000
+OFFSET = 10
+
+
+class FakeTokenizer:
+    vocab_size = VOCAB
+    eos_token_ids = frozenset({0})
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [min(ord(c), VOCAB - 1 - OFFSET) + OFFSET for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.token_to_text(i) for i in ids)
+
+    def token_to_text(self, token_id: int) -> str:
+        return chr(token_id - OFFSET) if token_id >= OFFSET else f"<{token_id}>"
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return list(self.token_to_text(token_id).encode())
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        text = "".join(f"{m['role']}:{m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "assistant:"
+        return self.encode(text)
+
+
+@dataclass
+class Call:
+    """One ``generate`` call as the fake saw it."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class FakeEngine:
+    """Scripted engine. ``reply`` is generated one char per token per choice.
+
+    ``fail_first``: raise this from the first ``__anext__``. ``fail_after``:
+    raise a RuntimeError after that many outputs. ``step_delay``: seconds per step.
+    """
+
+    reply: str = "Hello world"
+    max_model_len: int = 128
+    model_name: str = "fake-model"
+    step_delay: float = 0.0
+    fail_first: BaseException | None = None
+    fail_after: int | None = None
+    calls: list[Call] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    running: set[str] = field(default_factory=set)
+    started: bool = False
+    stopped: bool = False
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.stopped = True
+
+    def describe(self) -> str:
+        return "fake engine"
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.running), num_total_blocks=10, num_free_blocks=10)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.running)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.running.discard(request_id)
+
+    def _logprobs(self, token_id: int, k: int) -> PositionLogprobs:
+        top = [TokenLogprob(token_id, -0.5)] + [
+            TokenLogprob(OFFSET + 65 + j, -2.0 - j) for j in range(k)
+        ]
+        return PositionLogprobs(TokenLogprob(token_id, -0.5), top[:k])
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        latency_budget_ms: float | None = None,
+        ttft_budget_ms: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        self.calls.append(
+            Call(
+                list(prompt_token_ids),
+                params,
+                request_id,
+                {
+                    "priority": priority,
+                    "cache_salt": cache_salt,
+                    "latency_budget_ms": latency_budget_ms,
+                    "ttft_budget_ms": ttft_budget_ms,
+                },
+            )
+        )
+        if self.fail_first is not None:
+            raise self.fail_first
+        self.running.add(request_id)
+        ids = self.tokenizer.encode(self.reply)
+        limit = min(len(ids), params.max_tokens or len(ids))
+        prompt_lp: list[PositionLogprobs | None] | None = None
+        if params.prompt_logprobs is not None:
+            prompt_lp = [None] + [
+                self._logprobs(t, params.prompt_logprobs) for t in prompt_token_ids[1:]
+            ]
+        emitted = 0
+        try:
+            for step in range(limit):
+                if request_id not in self.running:
+                    return
+                if self.step_delay:
+                    await asyncio.sleep(self.step_delay)
+                if self.fail_after is not None and emitted >= self.fail_after:
+                    raise RuntimeError("secret internal failure detail")
+                deltas = []
+                for i in range(params.n):
+                    last = step == limit - 1
+                    deltas.append(
+                        CompletionDelta(
+                            index=i,
+                            delta_text=self.tokenizer.token_to_text(ids[step]),
+                            delta_token_ids=[ids[step]],
+                            delta_logprobs=(
+                                [self._logprobs(ids[step], params.logprobs)]
+                                if params.logprobs is not None
+                                else None
+                            ),
+                            finish_reason=(
+                                ("length" if limit < len(ids) else "stop") if last else None
+                            ),
+                            num_output_tokens=step + 1,
+                        )
+                    )
+                emitted += 1
+                yield RequestOutput(
+                    request_id=request_id,
+                    prompt_token_ids=list(prompt_token_ids),
+                    outputs=deltas,
+                    finished=step == limit - 1,
+                    num_cached_tokens=3,
+                    prompt_logprobs=prompt_lp if step == 0 else None,
+                )
+        finally:
+            self.running.discard(request_id)
+
+
+def rejected() -> RequestRejectedError:
+    return RequestRejectedError("queue is full", reason="queue_full", retry_after=2.5)
+
+
+def unavailable() -> EngineUnavailableError:
+    return EngineUnavailableError("engine is restarting", retry_after=7)
+
+
+def invalid() -> InvalidRequestError:
+    return InvalidRequestError("bad stop token", param="stop_token_ids", code="invalid_value")
+
+
+OPENAPI_PATH = Path(__file__).parent / "data" / "openai_openapi.yaml"
+
+
+def _nullable_to_31(node: Any) -> Any:
+    """The document mixes OpenAPI 3.0's ``nullable: true`` into 3.1; make it JSON Schema."""
+    if isinstance(node, dict):
+        out = {k: _nullable_to_31(v) for k, v in node.items() if k != "nullable"}
+        if node.get("nullable") is True:
+            return {"anyOf": [out, {"type": "null"}]}
+        return out
+    if isinstance(node, list):
+        return [_nullable_to_31(v) for v in node]
+    return node
+
+
+@functools.cache
+def _components() -> dict[str, Any]:
+    with OPENAPI_PATH.open() as f:
+        # The C loader parses the 3 MB document several times faster.
+        spec = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return _nullable_to_31(copy.deepcopy(spec["components"]))  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _validator(schema_name: str) -> OAS31Validator:
+    schema = {"$ref": f"#/components/schemas/{schema_name}", "components": _components()}
+    return OAS31Validator(schema)
+
+
+def assert_schema(instance: Any, schema_name: str) -> None:
+    """Validate ``instance`` against OpenAI's ``components.schemas[schema_name]``."""
+    _validator(schema_name).validate(instance)
