@@ -130,7 +130,9 @@ class AsyncEngine:
             latency_budget_ms=latency_budget_ms,
             ttft_budget_ms=ttft_budget_ms,
         )
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, stream, admitted, kwargs))
+        self._commands.put(
+            _Add(request_id, list(prompt_token_ids), params, stream, admitted, kwargs)
+        )
         finished = False
         try:
             await admitted
@@ -168,7 +170,9 @@ class AsyncEngine:
         eng = self.engine
         if isinstance(cmd, _Add):
             try:
-                eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.stream, **cmd.kwargs)
+                eng.add_request(
+                    cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.stream, **cmd.kwargs
+                )
             except Exception as e:  # admission said no: tell the caller
                 _resolve(cmd.stream.loop, cmd.admitted, exc=e)
             else:
@@ -223,7 +227,12 @@ class AsyncEngine:
                 eng.groups.pop(gid, None)
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], value: Any = None, exc: BaseException | None = None) -> None:
+def _resolve(
+    loop: asyncio.AbstractEventLoop,
+    fut: asyncio.Future[Any],
+    value: Any = None,
+    exc: BaseException | None = None,
+) -> None:
     def done() -> None:
         if fut.done():
             return

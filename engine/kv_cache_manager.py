@@ -49,7 +49,9 @@ class KVCacheManager:
         while len(req.block_hashes) < n_full:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else None
-            req.block_hashes.append(hash_block(parent, req.all_token_ids[i * bs : (i + 1) * bs], extra))
+            req.block_hashes.append(
+                hash_block(parent, req.all_token_ids[i * bs : (i + 1) * bs], extra)
+            )
 
     # ---- prefix cache -------------------------------------------------
     def find_cached_prefix(self, req: Request) -> list[KVBlock]:
@@ -78,7 +80,9 @@ class KVCacheManager:
 
     # ---- allocation ---------------------------------------------------
     def can_allocate(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = ()) -> bool:  # type: ignore[assignment]
-        need = self.blocks_needed(req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens)
+        need = self.blocks_needed(
+            req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        )
         have = len(req.block_ids) + len(cached)
         # Cached blocks with no reference sit in the free count; taking them uses them up.
         evictable_hits = sum(1 for b in cached if b.ref_count == 0)
@@ -129,7 +133,9 @@ class KVCacheManager:
         for i in range(n_full):
             block = self.pool.blocks[req.block_ids[i]]
             if block.block_hash is None:
-                self.pool.cache(block, req.block_hashes[i], req.all_token_ids[i * bs : (i + 1) * bs])
+                self.pool.cache(
+                    block, req.block_hashes[i], req.all_token_ids[i * bs : (i + 1) * bs]
+                )
 
     def free(self, req: Request) -> None:
         """Give back every block ``req`` holds (tail first, so prefixes stay cached longest)."""

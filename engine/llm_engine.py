@@ -34,9 +34,9 @@ from engine.outputs import CompletionDelta, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import GrammarMaskFn
 from engine.sampling_params import SamplingParams, StructuredOutputSpec
-from engine.structured import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
+from engine.structured import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.tokenizer import Tokenizer
 from engine.trace import NullTraceRecorder, TraceRecorder, TraceStore
 
@@ -57,7 +57,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, float32, float16 or bfloat16") from None
+        raise ValueError(
+            f"unknown dtype {name!r}; choose auto, float32, float16 or bfloat16"
+        ) from None
 
 
 @dataclass
@@ -108,7 +110,9 @@ class LLMEngine:
             device,
             dtype,
         )
-        self.info = EngineInfo(path, path.stem, device, dtype, num_blocks, config.block_size, max_len)
+        self.info = EngineInfo(
+            path, path.stem, device, dtype, num_blocks, config.block_size, max_len
+        )
         self.groups: dict[str, GroupState] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
         self._grammar: GrammarCompiler | None = None
@@ -164,7 +168,9 @@ class LLMEngine:
         """The grammar compiler (built on first use: it indexes the vocabulary)."""
         with self._grammar_lock:
             if self._grammar is None:
-                self._grammar = GrammarCompiler(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
+                self._grammar = GrammarCompiler(
+                    self.tokenizer.hf_tokenizer, self.model_config.vocab_size
+                )
             return self._grammar
 
     def compile_structured(self, spec: StructuredOutputSpec) -> None:
@@ -172,7 +178,9 @@ class LLMEngine:
         self.grammar.compile(spec)
 
     def _grammar_mask(self, reqs: Sequence[Request]) -> GrammarMaskFn | None:
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
+        rows = [
+            i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()
+        ]
         if not rows:
             return None
         vocab = self.model_config.vocab_size
@@ -199,7 +207,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", param="prompt")
+            raise InvalidRequestError(
+                f"token id {bad} is out of vocabulary (size {vocab})", param="prompt"
+            )
         max_len = self.info.max_model_len
         n = len(prompt_token_ids)
         want = params.max_tokens or 0
@@ -264,12 +274,16 @@ class LLMEngine:
             self.scheduler.add_request(r, admit_check=False)
         for r in reqs:
             self.tracer.on_arrival(r.request_id, now)
-        group = GroupState(group_id, list(prompt_token_ids), [make_choice(self.tokenizer, r) for r in reqs], sink)
+        group = GroupState(
+            group_id, list(prompt_token_ids), [make_choice(self.tokenizer, r) for r in reqs], sink
+        )
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self.groups[group_id] = group
 
-    def abort(self, group_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> RequestOutput | None:
+    def abort(
+        self, group_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> RequestOutput | None:
         """End every unfinished choice of the group and free its blocks."""
         group = self.groups.pop(group_id, None)
         if group is None:
@@ -311,7 +325,8 @@ class LLMEngine:
             self._trace_step(sched, dt)
         self.stats.num_steps += 1
         self.stats.prompt_tokens += sum(
-            min(s.num_new_tokens, max(s.req.num_prompt_tokens - s.start, 0)) for s in sched.scheduled
+            min(s.num_new_tokens, max(s.req.num_prompt_tokens - s.start, 0))
+            for s in sched.scheduled
         )
 
         per_group: dict[str, list[CompletionDelta]] = {}
@@ -400,7 +415,9 @@ class LLMEngine:
         s = self.stats
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
-        s.num_preempted_waiting = sum(1 for r in self.scheduler.waiting if r.status is RequestStatus.PREEMPTED)
+        s.num_preempted_waiting = sum(
+            1 for r in self.scheduler.waiting if r.status is RequestStatus.PREEMPTED
+        )
         s.kv_cache_usage = self.kv.usage
         s.num_free_blocks = self.kv.num_free_blocks
         s.num_preemptions = self.scheduler.num_preemptions

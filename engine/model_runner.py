@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ class StepResult:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Any,
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
@@ -50,12 +51,17 @@ class ModelRunner:
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+            (
+                torch.zeros(shape, dtype=kv_dtype, device=device),
+                torch.zeros(shape, dtype=kv_dtype, device=device),
+            )
             for _ in range(num_layers)
         ]
         self.sampler = Sampler()
 
-    def prepare(self, batch: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(
+        self, batch: Sequence[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten ``batch`` (already ordered decodes first) into model inputs."""
         bs = self.block_size
         ids: list[int] = []
@@ -127,7 +133,9 @@ class ModelRunner:
                     hidden, meta.query_start_loc_cpu[i], s, plp
                 )
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+            logits = self.model.compute_logits(
+                hidden[torch.tensor(sample_rows, device=hidden.device)]
+            )
             mask = grammar_mask_for(sample_reqs) if grammar_mask_for is not None else None
             out: SamplerOutput = self.sampler(logits, sample_reqs, mask)
             for req, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs):
@@ -143,7 +151,9 @@ class ModelRunner:
         if n <= 0:
             return []
         logp = torch.log_softmax(self.model.compute_logits(hidden[row0 : row0 + n]).float(), dim=-1)
-        targets = torch.tensor(s.req.prompt_token_ids[s.start + 1 : s.start + 1 + n], device=logp.device)
+        targets = torch.tensor(
+            s.req.prompt_token_ids[s.start + 1 : s.start + 1 + n], device=logp.device
+        )
         chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
         tops_v: list[list[float]] = [[] for _ in range(n)]
         tops_i: list[list[int]] = [[] for _ in range(n)]
@@ -153,9 +163,8 @@ class ModelRunner:
         tl = targets.tolist()
         return [
             PositionLogprobs(
-                TokenLogprob(tl[j], chosen[j]), [TokenLogprob(a, b) for a, b in zip(tops_i[j], tops_v[j])]
+                TokenLogprob(tl[j], chosen[j]),
+                [TokenLogprob(a, b) for a, b in zip(tops_i[j], tops_v[j])],
             )
             for j in range(n)
         ]
-
-

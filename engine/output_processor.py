@@ -59,7 +59,9 @@ def token_stop(req: Request, token: int) -> RequestStatus | None:
 def make_choice(tokenizer: Tokenizer, req: Request) -> ChoiceState:
     p = req.params
     stops = StopStringMatcher(list(p.stop), p.include_stop_str_in_output) if p.stop else None
-    detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens)
+    detok = IncrementalDetokenizer(
+        tokenizer, req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens
+    )
     return ChoiceState(req, detok, stops)
 
 
@@ -80,9 +82,9 @@ def process_token(
             req.stop_reason = matched
             status = RequestStatus.FINISHED_STOPPED
     if status is not None:
-        tail, matched = finish_text(choice)
+        tail, late_match = finish_text(choice)
         text += tail
-        if matched:
+        if late_match:
             # The stop string completed only in text held back until the end
             # (e.g. an unfinished UTF-8 sequence): it is a stop, not a length finish.
             status = RequestStatus.FINISHED_STOPPED
@@ -133,7 +135,11 @@ def build_output(group: GroupState, deltas: list[CompletionDelta]) -> RequestOut
         num_cached_tokens=max(c.req.num_cached_tokens for c in group.choices),
         metrics=first.metrics,
     )
-    if group.prompt_logprobs and not group.sent_prompt_logprobs and first.params.prompt_logprobs is not None:
+    if (
+        group.prompt_logprobs
+        and not group.sent_prompt_logprobs
+        and first.params.prompt_logprobs is not None
+    ):
         if len(group.prompt_logprobs) >= len(group.prompt_token_ids):
             out.prompt_logprobs = group.prompt_logprobs
             group.sent_prompt_logprobs = True

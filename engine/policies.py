@@ -54,7 +54,11 @@ class PreemptionPolicy(ABC):
 
     @abstractmethod
     def pick_victim(
-        self, candidates: Sequence[Request], requester: Request, ordering: OrderingPolicy, now: float
+        self,
+        candidates: Sequence[Request],
+        requester: Request,
+        ordering: OrderingPolicy,
+        now: float,
     ) -> Request:
         """Return the victim among ``candidates`` (which include ``requester``)."""
 
@@ -68,7 +72,11 @@ class LowestPriorityLatestVictim(PreemptionPolicy):
     """
 
     def pick_victim(
-        self, candidates: Sequence[Request], requester: Request, ordering: OrderingPolicy, now: float
+        self,
+        candidates: Sequence[Request],
+        requester: Request,
+        ordering: OrderingPolicy,
+        now: float,
     ) -> Request:
         return max(candidates, key=lambda r: (r.priority, r.arrival_time))
 
@@ -99,9 +107,11 @@ class LatencyPredictor:
 
     def predict(self, prefill_tokens_ahead: int, own_prefill: int, own_output: int) -> float:
         """Seconds until a new request's last token: queued prefill + own prefill + decode."""
-        return (prefill_tokens_ahead + own_prefill) * self.prefill_token_s + max(
-            own_output - 1, 0
-        ) * self.decode_step_s + self.decode_step_s
+        return (
+            (prefill_tokens_ahead + own_prefill) * self.prefill_token_s
+            + max(own_output - 1, 0) * self.decode_step_s
+            + self.decode_step_s
+        )
 
     def predict_ttft(self, prefill_tokens_ahead: int, own_prefill: int) -> float:
         return (prefill_tokens_ahead + own_prefill) * self.prefill_token_s + self.decode_step_s

@@ -104,7 +104,9 @@ class Sampler:
                 accumulate=True,
             )
         if any(
-            r.params.presence_penalty or r.params.frequency_penalty or r.params.repetition_penalty != 1.0
+            r.params.presence_penalty
+            or r.params.frequency_penalty
+            or r.params.repetition_penalty != 1.0
             for r in reqs
         ):
             apply_penalties(logits, reqs)
@@ -146,7 +148,9 @@ class Sampler:
             noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
         for i, r in enumerate(reqs):
             if r.generator is not None:
-                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(device)
+                noise[i] = (
+                    torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(device)
+                )
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod

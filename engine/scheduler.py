@@ -88,7 +88,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.clock = clock
         if ordering is None:
-            ordering = PriorityOrdering() if config.scheduling_policy == "priority" else FCFSOrdering()
+            ordering = (
+                PriorityOrdering() if config.scheduling_policy == "priority" else FCFSOrdering()
+            )
         self.ordering = ordering
         self.preemption = preemption or LowestPriorityLatestVictim()
         self.admission = admission or PressureAwareAdmission()
@@ -118,7 +120,9 @@ class Scheduler:
             self._preemption_times.popleft()
         ahead = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
         ahead += sum(
-            r.num_tokens - r.num_computed_tokens for r in self.running if r.num_computed_tokens < r.num_tokens - 1
+            r.num_tokens - r.num_computed_tokens
+            for r in self.running
+            if r.num_computed_tokens < r.num_tokens - 1
         )
         return AdmissionState(
             num_waiting=len(self.waiting),
@@ -161,7 +165,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step to make room
             num_new = min(
-                req.num_tokens - req.num_computed_tokens, self.max_model_len - req.num_computed_tokens
+                req.num_tokens - req.num_computed_tokens,
+                self.max_model_len - req.num_computed_tokens,
             )
             if num_new <= 0:
                 continue
@@ -198,7 +203,11 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             src = req.prefix_source
-            if src is not None and not src.is_finished and src.num_computed_tokens < src.num_prompt_tokens:
+            if (
+                src is not None
+                and not src.is_finished
+                and src.num_computed_tokens < src.num_prompt_tokens
+            ):
                 continue  # wait until the first choice has computed the shared prompt
             cached = []
             share_blocks = 0

@@ -114,7 +114,11 @@ def test_allocate_failure_changes_nothing() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 20), st.booleans()), min_size=1, max_size=40))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 20), st.booleans()), min_size=1, max_size=40
+    )
+)
 def test_random_alloc_free_never_leaks(ops: list[tuple[int, int, bool]]) -> None:
     kv = KVCacheManager(num_blocks=16, block_size=4)
     live: list[Request] = []

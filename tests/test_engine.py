@@ -27,7 +27,9 @@ from tests.model_utils import TINY_ARCHS, make_tiny_checkpoint
 GEN = 12
 
 
-def hf_greedy(model_dir: Path | str, prompt: list[int], n: int, gguf_file: str | None = None) -> list[int]:
+def hf_greedy(
+    model_dir: Path | str, prompt: list[int], n: int, gguf_file: str | None = None
+) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     kw = {"gguf_file": gguf_file} if gguf_file else {}
@@ -94,7 +96,9 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("arch", [*TINY_ARCHS, "llama-tied"])
-def test_greedy_matches_transformers_alone_and_batched(tiny_dirs: dict[str, Path], arch: str) -> None:
+def test_greedy_matches_transformers_alone_and_batched(
+    tiny_dirs: dict[str, Path], arch: str
+) -> None:
     model_dir = tiny_dirs[arch]
     prompt = [random.Random(arch).randrange(3, 250) for _ in range(23)]
     want = hf_greedy(model_dir, prompt, GEN)
@@ -109,7 +113,7 @@ def test_greedy_matches_transformers_alone_and_batched(tiny_dirs: dict[str, Path
 
 def test_prefix_cache_on_off_identical(tiny_dirs: dict[str, Path]) -> None:
     base = [random.Random(5).randrange(3, 250) for _ in range(30)]
-    prompts = [base + [7, 8, 9], base + [10], base[:17], base + [7, 8, 9]]
+    prompts = [[*base, 7, 8, 9], [*base, 10], base[:17], [*base, 7, 8, 9]]
     on = tiny_engine(tiny_dirs["qwen2"])
     off = tiny_engine(tiny_dirs["qwen2"], enable_prefix_caching=False)
     # Sequentially (cached by an earlier request) and concurrently.
@@ -157,13 +161,26 @@ def test_stop_string_never_leaks(tiny_dirs: dict[str, Path]) -> None:
     if len(text) < 6:
         pytest.skip("tiny model produced too little text")
     stop = text[3:6]
-    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))[0]
+    cut = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    )[0]
     assert cut.finish_reason == "stop"
     assert cut.text == text[: text.index(stop)]
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 10), st.sampled_from(["run", "abort", "stop"])), min_size=1, max_size=10), st.integers(0, 3))
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 30), st.integers(1, 10), st.sampled_from(["run", "abort", "stop"])
+        ),
+        min_size=1,
+        max_size=10,
+    ),
+    st.integers(0, 3),
+)
 def test_block_accounting_random_arrivals_aborts_stops(
     tiny_dirs: dict[str, Path], reqs: list[tuple[int, int, str]], when: int
 ) -> None:
@@ -171,7 +188,11 @@ def test_block_accounting_random_arrivals_aborts_stops(
     for i, (plen, max_tokens, kind) in enumerate(reqs):
         stop = [" "] if kind == "stop" else []
         try:
-            eng.add_request(f"r{i}", [(i * 7 + j) % 250 + 3 for j in range(plen)], SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=stop))
+            eng.add_request(
+                f"r{i}",
+                [(i * 7 + j) % 250 + 3 for j in range(plen)],
+                SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=stop),
+            )
         except Exception:
             continue  # never fits: 400 at once, nothing held
         for _ in range(when):
@@ -201,7 +222,9 @@ def test_abort_returns_blocks(tiny_dirs: dict[str, Path]) -> None:
 @pytest.mark.slow
 def test_default_gguf_greedy_matches_transformers() -> None:
     path = default_gguf_path()
-    llm = LLM(EngineConfig(debug_invariants=True, kv_cache_memory=64 << 20, max_num_batched_tokens=64))
+    llm = LLM(
+        EngineConfig(debug_invariants=True, kv_cache_memory=64 << 20, max_num_batched_tokens=64)
+    )
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colors."}])
     want = hf_greedy(path.parent, prompt, 24, gguf_file=path.name)
     got = llm.generate([prompt], greedy(24))[0].token_ids
@@ -214,7 +237,11 @@ def test_default_gguf_greedy_matches_transformers() -> None:
     step = 0
     while eng.has_unfinished():
         if step < 8:
-            eng.add_request(f"o{step}", [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 90))], greedy(rng.randrange(1, 20)))
+            eng.add_request(
+                f"o{step}",
+                [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 90))],
+                greedy(rng.randrange(1, 20)),
+            )
         for _, out in eng.step():
             for d in out.outputs:
                 tokens.setdefault(out.request_id, []).extend(d.delta_token_ids)
@@ -223,7 +250,13 @@ def test_default_gguf_greedy_matches_transformers() -> None:
 
 
 def test_request_traces_add_up_and_hold_no_text(tiny_dirs: dict[str, Path]) -> None:
-    from engine.trace import DecodeStep, PrefillChunk, QueueWait, review_for_publication, summarize_timings
+    from engine.trace import (
+        DecodeStep,
+        PrefillChunk,
+        QueueWait,
+        review_for_publication,
+        summarize_timings,
+    )
 
     eng = tiny_engine(tiny_dirs["llama"], enable_request_traces=True, max_num_batched_tokens=8)
     eng.add_request("t", list(range(3, 23)), greedy(5))
@@ -254,13 +287,21 @@ def test_structured_output_follows_schema(tiny_dirs: dict[str, Path]) -> None:
         "required": ["a", "b"],
         "additionalProperties": False,
     }
-    p = SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured=StructuredOutputSpec(json_schema=schema), n=3)
+    p = SamplingParams(
+        temperature=1.0,
+        seed=3,
+        max_tokens=60,
+        structured=StructuredOutputSpec(json_schema=schema),
+        n=3,
+    )
     plain = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
     # Constrained and unconstrained requests share the same steps.
     results = LLM(engine=eng).generate([list(range(3, 20)), list(range(3, 20))], [p, plain])
     for r in results[:3]:
         assert r.finish_reason == "stop", r
         value = json.loads(r.text)
-        assert value["a"] in ("x", "yy") and isinstance(value["b"], bool) and set(value) == {"a", "b"}
+        assert (
+            value["a"] in ("x", "yy") and isinstance(value["b"], bool) and set(value) == {"a", "b"}
+        )
     assert results[3].finish_reason == "length"
     assert eng.kv.num_free_blocks == eng.kv.num_blocks

@@ -18,7 +18,9 @@ def base_logits(vocab: int = 12) -> torch.Tensor:
     return torch.randn(vocab, generator=g) * 2
 
 
-def expected_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+def expected_probs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
+) -> torch.Tensor:
     """The processed distribution, computed independently with plain loops."""
     p = torch.softmax(logits / temperature, dim=-1).tolist()
     order = sorted(range(len(p)), key=lambda i: -p[i])
@@ -61,7 +63,13 @@ def test_distributions_match_processed_probs() -> None:
         dict(temperature=1.0, min_p=0.2),
         dict(temperature=0.9, top_k=6, top_p=0.7, min_p=0.05),
     ):
-        exp = expected_probs(logits, kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("min_p", 0.0))  # type: ignore[arg-type]
+        exp = expected_probs(
+            logits,
+            kw["temperature"],
+            kw.get("top_k", 0),
+            kw.get("top_p", 1.0),
+            kw.get("min_p", 0.0),
+        )  # type: ignore[arg-type]
         emp = empirical(logits, 20000, **kw)
         assert tv(emp, exp) < 0.03, (kw, tv(emp, exp))
         assert float(emp[exp == 0].sum()) == 0.0  # filtered tokens never drawn
@@ -94,7 +102,10 @@ def test_seed_reproducible_whatever_the_batch() -> None:
     mixed_reqs = [*others[:2], rq("x", temperature=1.0, seed=42), *others[2:]]
     mixed = Sampler()(logits.expand(6, -1).clone(), mixed_reqs).token_ids
     assert mixed[2] == alone[0]
-    seq1 = [Sampler()(logits[None].clone(), [r]).token_ids[0] for r in [rq("y", temperature=1.0, seed=3)] * 1]
+    seq1 = [
+        Sampler()(logits[None].clone(), [r]).token_ids[0]
+        for r in [rq("y", temperature=1.0, seed=3)] * 1
+    ]
     r = rq("y", temperature=1.0, seed=3)
     seq2 = [Sampler()(logits[None].clone(), [r]).token_ids[0] for _ in range(8)]
     r2 = rq("y", temperature=1.0, seed=3)

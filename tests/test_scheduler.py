@@ -29,7 +29,9 @@ def make(
     return Scheduler(config, kv, max_model_len=4096, clock=clock), clock
 
 
-def req(rid: str, n_prompt: int, clock: Clock, max_tokens: int = 8, priority: int = 0, tok: int = 1) -> Request:
+def req(
+    rid: str, n_prompt: int, clock: Clock, max_tokens: int = 8, priority: int = 0, tok: int = 1
+) -> Request:
     return Request(
         rid,
         rid,
@@ -148,7 +150,9 @@ def test_preempted_request_resumes_with_prefix_hits() -> None:
 def test_n_choices_share_prompt_blocks() -> None:
     s, clock = make(max_num_batched_tokens=64)
     first = req("g-0", 10, clock)
-    second = Request("g-1", "g", 1, [1] * 10, first.params, arrival_time=clock(), prefix_source=first)
+    second = Request(
+        "g-1", "g", 1, [1] * 10, first.params, arrival_time=clock(), prefix_source=first
+    )
     s.add_request(first)
     s.add_request(second, admit_check=False)
     assert plan(run_step(s)) == [("g-0", 10)]  # second waits for the prompt

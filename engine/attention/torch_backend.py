@@ -55,7 +55,9 @@ class TorchAttentionBackend(AttentionBackend):
         starts = meta.query_start_loc_cpu
         for i in range(nd, meta.num_seqs):
             s, e = starts[i], starts[i + 1]
-            out[s:e] = self._extend(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta, i, scale, block_size)
+            out[s:e] = self._extend(
+                q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta, i, scale, block_size
+            )
         return out
 
     @staticmethod
@@ -102,7 +104,9 @@ class TorchAttentionBackend(AttentionBackend):
             # Whole sequence is new: attend over the fresh k/v, no gather.
             kt = k.transpose(0, 1).unsqueeze(0).to(q.dtype)
             vt = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
+            )
         else:
             nblk = (seq_len + block_size - 1) // block_size
             blocks = meta.block_tables[i, :nblk].long()
