@@ -34,13 +34,15 @@ from engine.outputs import CompletionDelta, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import GrammarMaskFn
 from engine.sampling_params import SamplingParams, StructuredOutputSpec
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler
 from engine.stats import EngineStats
 from engine.structured import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.tokenizer import Tokenizer
 from engine.trace import NullTraceRecorder, TraceRecorder, TraceStore
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -97,7 +99,7 @@ class LLMEngine:
             )
         backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(path, mc, backend, dtype, device)
-        num_blocks = self._num_blocks(device, dtype)
+        num_blocks = self._num_blocks(device, dtype, max_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_len, clock=clock)
         self.runner = ModelRunner(
@@ -110,9 +112,9 @@ class LLMEngine:
             device,
             dtype,
         )
-        self.info = EngineInfo(
-            path, path.stem, device, dtype, num_blocks, config.block_size, max_len
-        )
+        # The served name: what the user passed (as vLLM does), or the default model's name.
+        name = config.model if config.model is not None else DEFAULT_MODEL_NAME
+        self.info = EngineInfo(path, name, device, dtype, num_blocks, config.block_size, max_len)
         self.groups: dict[str, GroupState] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
         self._grammar: GrammarCompiler | None = None
@@ -125,17 +127,50 @@ class LLMEngine:
             self.tracer = TraceRecorder(self.traces, log_prompts=config.log_prompts)
 
     # ---- sizing -------------------------------------------------------
-    def _num_blocks(self, device: torch.device, dtype: torch.dtype) -> int:
+    def _profile_step(self, device: torch.device, dtype: torch.dtype, max_len: int) -> None:
+        """Run one forward of the largest step (``max_num_batched_tokens`` tokens over
+        up to ``max_num_seqs`` sequences, logits for each) on a temporary cache."""
+        cfg = self.config
+        mc = self.model_config
+        tokens = max(1, min(cfg.max_num_batched_tokens, max_len * cfg.max_num_seqs))
+        nseq = max(1, min(cfg.max_num_seqs, tokens))
+        per = [tokens // nseq + (1 if i < tokens % nseq else 0) for i in range(nseq)]
+        blocks_each = [-(-n // cfg.block_size) for n in per]
+        runner = ModelRunner(
+            self.model,
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            sum(blocks_each),
+            cfg.block_size,
+            device,
+            dtype,
+        )
+        batch = []
+        next_block = 0
+        for i, n in enumerate(per):
+            r = Request(f"profile-{i}", "profile", 0, [0] * n, SamplingParams(temperature=0.0))
+            r.block_ids = list(range(next_block, next_block + blocks_each[i]))
+            next_block += blocks_each[i]
+            batch.append(ScheduledRequest(r, n, 0))
+        runner.execute(batch)
+        del runner
+
+    def _num_blocks(self, device: torch.device, dtype: torch.dtype, max_len: int) -> int:
         cfg = self.config
         per_block = self.model_config.kv_bytes_per_token(dtype) * cfg.block_size
         if cfg.num_gpu_blocks_override:
             return cfg.num_gpu_blocks_override
         if device.type == "cuda":
+            # Profile the largest step first, so the cache gets what activations leave.
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            self._profile_step(device, dtype, max_len)
+            activations = torch.cuda.max_memory_allocated(device) - base
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
-            budget = int(total * cfg.gpu_memory_utilization) - (total - free)
-            # Leave room for activations of the largest step (measured roughly as
-            # 64 floats per hidden unit per batched token).
-            budget -= cfg.max_num_batched_tokens * self.model_config.hidden_size * 64 * 4
+            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - activations
         else:
             budget = cfg.kv_cache_memory
         n = budget // per_block
@@ -424,6 +459,11 @@ class LLMEngine:
         s.prefix_cache_queries = self.kv.prefix_queries
         s.prefix_cache_hits = self.kv.prefix_hits
         s.rejections = dict(self.scheduler.rejections)
+        s.latency_budget_misses = self.scheduler.latency_budget_misses
+        errors = self.scheduler.prediction_errors
+        s.predictor_samples = errors.samples
+        s.predictor_mean_abs_rel_error = errors.mean_abs_rel_error
+        s.predictor_mean_rel_error = errors.mean_rel_error
 
 
 __all__ = ["EngineInfo", "LLMEngine", "StepResult"]

@@ -118,6 +118,55 @@ class LatencyPredictor:
 
 
 @dataclass
+class LatencyPrediction:
+    """What the predictor said at admission, kept to score it when the request ends.
+
+    ``prefill_s`` covers the prefill queued ahead plus the request's own;
+    ``decode_step_s`` is the per-token decode cost then. The completion time
+    predicted for ``n`` output tokens is ``prefill_s + max(n, 1) * decode_step_s``
+    (``LatencyPredictor.predict`` with ``own_output = n``): scoring uses the
+    number of tokens actually produced, so an early EOS is not counted as a
+    prediction error.
+    """
+
+    prefill_s: float
+    decode_step_s: float
+
+    def completion_s(self, num_output_tokens: int) -> float:
+        return self.prefill_s + max(num_output_tokens, 1) * self.decode_step_s
+
+
+@dataclass
+class PredictionErrorStats:
+    """Running relative error of admission-time predictions vs actual completion times.
+
+    Relative error of one request = ``(predicted - actual) / actual`` where
+    actual = finished - arrival (seconds, engine clock). Positive means the
+    predictor was pessimistic.
+    """
+
+    samples: int = 0
+    sum_abs_rel_error: float = 0.0
+    sum_rel_error: float = 0.0
+
+    def record(self, predicted_s: float, actual_s: float) -> None:
+        if actual_s <= 0:
+            return  # a zero-length span (fake clocks) has no relative error
+        rel = (predicted_s - actual_s) / actual_s
+        self.samples += 1
+        self.sum_abs_rel_error += abs(rel)
+        self.sum_rel_error += rel
+
+    @property
+    def mean_abs_rel_error(self) -> float:
+        return self.sum_abs_rel_error / self.samples if self.samples else 0.0
+
+    @property
+    def mean_rel_error(self) -> float:
+        return self.sum_rel_error / self.samples if self.samples else 0.0
+
+
+@dataclass
 class AdmissionState:
     """What admission looks at: queue, KV pressure and predicted latency."""
 

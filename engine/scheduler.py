@@ -23,9 +23,11 @@ from engine.policies import (
     AdmissionPolicy,
     AdmissionState,
     FCFSOrdering,
+    LatencyPrediction,
     LatencyPredictor,
     LowestPriorityLatestVictim,
     OrderingPolicy,
+    PredictionErrorStats,
     PreemptionPolicy,
     PressureAwareAdmission,
     PriorityOrdering,
@@ -101,6 +103,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.rejections: dict[str, int] = {}
         self._preemption_times: deque[float] = deque()
+        # Admission-time predictions of unfinished requests, scored in finish().
+        self.predictions: dict[str, LatencyPrediction] = {}
+        self.prediction_errors = PredictionErrorStats()
+        self.latency_budget_misses = 0
 
     # ---- arrivals -----------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -139,8 +145,9 @@ class Scheduler:
     def add_request(self, req: Request, *, admit_check: bool = True) -> None:
         """Queue ``req``; raises InvalidRequestError (never fits) or RequestRejectedError."""
         self.check_fits(req)
+        state = self.admission_state()
         if admit_check:
-            verdict = self.admission.check(req, self.admission_state())
+            verdict = self.admission.check(req, state)
             if verdict is not None:
                 reason, message, retry_after = verdict
                 self.rejections[reason] = self.rejections.get(reason, 0) + 1
@@ -148,6 +155,12 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
         self.requests[req.request_id] = req
+        p = state.predictor
+        self.predictions[req.request_id] = LatencyPrediction(
+            prefill_s=(state.prefill_tokens_ahead + req.num_tokens - req.num_computed_tokens)
+            * p.prefill_token_s,
+            decode_step_s=p.decode_step_s,
+        )
 
     # ---- the step -----------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -270,7 +283,17 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
-        req.metrics.finished_time = self.clock()
+        now = self.clock()
+        req.metrics.finished_time = now
+        prediction = self.predictions.pop(req.request_id, None)
+        # Aborted / failed requests say nothing about how long a completion takes.
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            if prediction is not None:
+                self.prediction_errors.record(
+                    prediction.completion_s(req.num_output_tokens), now - req.arrival_time
+                )
+            if req.deadline is not None and now > req.deadline:
+                self.latency_budget_misses += 1
 
     @property
     def num_unfinished(self) -> int:

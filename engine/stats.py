@@ -26,6 +26,12 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
     rejections: dict[str, int] = field(default_factory=dict)  # admission rejections by reason
-    latency_budget_misses: int = 0
+    latency_budget_misses: int = 0  # finished (stop/length) after their latency_budget_ms
+    # Latency predictor accuracy: requests that finished (stop/length) scored
+    # against the completion time predicted at admission (see
+    # engine.policies.PredictionErrorStats); the means are over all of them.
+    predictor_samples: int = 0
+    predictor_mean_abs_rel_error: float = 0.0
+    predictor_mean_rel_error: float = 0.0  # signed: > 0 means predictions too long
     spec_decode_draft_tokens: int = 0
     spec_decode_accepted_tokens: int = 0

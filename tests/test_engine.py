@@ -305,3 +305,11 @@ def test_structured_output_follows_schema(tiny_dirs: dict[str, Path]) -> None:
         )
     assert results[3].finish_reason == "length"
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_profile_step_runs_the_largest_batch(tiny_dirs: dict[str, Path]) -> None:
+    """The CUDA sizing pass runs on any device; here it must just run and leave no state."""
+    eng = tiny_engine(tiny_dirs["llama"], max_num_seqs=3, max_num_batched_tokens=10)
+    eng._profile_step(eng.info.device, eng.info.dtype, eng.info.max_model_len)
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    assert eng.info.model_name == str(tiny_dirs["llama"])
