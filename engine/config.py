@@ -34,6 +34,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False
     num_threads: int | None = None
+    # CPU fp32 matmuls: "onednn" prepacks weights for oneDNN (2x less CPU per
+    # decode step at batch 16-32 on AVX2 machines, see engine/cpu_linear.py);
+    # "auto" does so on the CPU when oneDNN packing is available.
+    cpu_linear: str = "auto"
     debug_invariants: bool = False
     max_logprobs: int = 20
     chat_template: str | None = None

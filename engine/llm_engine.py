@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -98,7 +99,11 @@ class LLMEngine:
                 "max_position_embeddings, capped by a sliding window the backends do not implement)"
             )
         backend = get_attention_backend(config.attention_backend, device)
-        self.model = load_model(path, mc, backend, dtype, device)
+        # Any: the model class comes from the registry (LlamaForCausalLM-like).
+        model: Any = load_model(path, mc, backend, dtype, device)
+        if self._use_onednn(device, dtype):
+            model.pack_for_cpu()
+        self.model = model
         num_blocks = self._num_blocks(device, dtype, max_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_len, clock=clock)
@@ -125,6 +130,19 @@ class LLMEngine:
         if config.enable_request_traces:
             self.traces = TraceStore(config.max_traces)
             self.tracer = TraceRecorder(self.traces, log_prompts=config.log_prompts)
+
+    def _use_onednn(self, device: torch.device, dtype: torch.dtype) -> bool:
+        from engine.cpu_linear import onednn_packing_available
+
+        choice = self.config.cpu_linear
+        if choice not in ("auto", "torch", "onednn"):
+            raise ValueError(f"unknown --cpu-linear {choice!r}; choose auto, torch or onednn")
+        usable = device.type == "cpu" and dtype == torch.float32 and onednn_packing_available()
+        if choice == "onednn" and not usable:
+            raise ValueError(
+                "--cpu-linear onednn needs the CPU, float32 and a torch built with oneDNN"
+            )
+        return usable and choice != "torch"
 
     # ---- sizing -------------------------------------------------------
     def _profile_step(self, device: torch.device, dtype: torch.dtype, max_len: int) -> None:

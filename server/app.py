@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
+import jsonschema
+import jsonschema.exceptions
+import jsonschema.validators
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -45,6 +48,7 @@ from server.protocol import (
     error_body,
     error_type_for_status,
 )
+from server.traces import TraceNotFound, fetch_trace
 
 logger = logging.getLogger("fuel_serve.server")
 
@@ -213,6 +217,31 @@ def _grammar_compiler(engine: Any) -> Any:
     return None
 
 
+def _check_tool_parameters(i: int, function: dict[str, Any]) -> None:
+    """400 unless ``function.parameters`` is absent or a valid JSON Schema object.
+
+    Checked for every ``tool_choice`` (as OpenAI does): a broken schema would
+    otherwise only surface later, as unvalidatable arguments or a grammar error.
+    """
+    params = function.get("parameters")
+    if params is None:
+        return
+    where = f"tools.{i}.function.parameters"
+    name = function["name"]
+    if not isinstance(params, dict):
+        raise ApiError(400, f"tool {name!r}: parameters must be a JSON Schema object", param=where)
+    cls = jsonschema.validators.validator_for(params)
+    try:
+        cls.check_schema(params)
+    except jsonschema.exceptions.SchemaError as exc:
+        path = "/".join(str(p) for p in exc.path) or "<root>"
+        raise ApiError(
+            400,
+            f"tool {name!r}: parameters is not a valid JSON Schema (at {path}): {exc.message}",
+            param=where,
+        ) from None
+
+
 def resolve_tool_calling(
     engine: Any, body: ChatCompletionRequest, config: ServerConfig
 ) -> ToolPlan | None:
@@ -234,6 +263,7 @@ def resolve_tool_calling(
             raise ApiError(400, "only function tools are supported", param=f"tools.{i}.type")
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise ApiError(400, "each tool needs function.name", param=f"tools.{i}.function.name")
+        _check_tool_parameters(i, function)
     choice = body.tool_choice if body.tool_choice is not None else "auto"
     if choice == "none":
         return ToolPlan(tools=[])  # the model must not call tools: do not offer them
@@ -275,6 +305,25 @@ def resolve_tool_calling(
             body.tools, choice, parser_name, parallel_tool_calls=parallel
         )
     return plan
+
+
+def _log_invalid_calls(calls: list[Any], tools: list[dict[str, Any]]) -> None:
+    """Log calls whose arguments do not follow their function's schema.
+
+    As OpenAI does, such calls are still returned: the client owns its tools and
+    judges them. Forced calls are grammar-generated, so a warning there is a bug.
+    """
+    from server.tool_parsers import validate_tool_calls
+
+    for problem in validate_tool_calls(calls, tools):
+        logger.warning("tool call does not validate: %s", problem)
+
+
+def _log_invalid_streamed(deltas: list[Any], tools: list[dict[str, Any]]) -> None:
+    """``_log_invalid_calls`` for the call deltas one streamed choice sent."""
+    from server.tool_parsers import StreamDelta, assemble
+
+    _log_invalid_calls(assemble([StreamDelta(tool_calls=deltas)]).tool_calls, tools)
 
 
 def _tool_call_json(call: Any) -> dict[str, Any]:
@@ -409,9 +458,13 @@ class _Stream:
         *,
         params: SamplingParams | None = None,
         metrics: Any = None,
+        client_request_id: str | None = None,
     ):
         self.engine = engine
         self.request_id = request_id
+        # The X-Request-Id of the HTTP request (logged with the engine id).
+        self.client_request_id = client_request_id
+        self.logged = False
         self.gen = gen
         self.first: RequestOutput | None = None
         self.finished = False
@@ -465,10 +518,31 @@ class _Stream:
         except Exception:  # metrics must never fail a request
             logger.exception("observe_finished failed")
 
+    def _log_finished(self, aborted: bool) -> None:
+        """One metadata-only line per admitted engine request (never prompt or output text)."""
+        if self.logged or self.last is None:
+            return
+        self.logged = True
+        m = self.last.metrics
+        end = m.finished_time if m.finished_time is not None else time.monotonic()
+        logger.info(
+            "request %s finished",
+            self.request_id,
+            extra={
+                "request_id": self.client_request_id,
+                "engine_request_id": self.request_id,
+                "prompt_tokens": len(self.last.prompt_token_ids),
+                "completion_tokens": self.num_generated,
+                "finish_reason": "abort" if aborted else (self.finish_reason or "stop"),
+                "e2e_s": round(end - m.arrival_time, 6),
+            },
+        )
+
     async def close(self) -> None:
         """Abort in the engine if unfinished, and close the generator."""
         aborted = not self.finished
         self._observe(aborted)
+        self._log_finished(aborted)
         if aborted:
             self.finished = True
             await _shielded(self.engine.abort(self.request_id))
@@ -662,7 +736,18 @@ def _served_names(config: ServerConfig, engine: EngineClient) -> list[str]:
 
 def _install_error_handlers(app: FastAPI, state: AppState) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        logger.info(
+            "%s %s -> %d",
+            request.method,
+            request.url.path,
+            exc.status,
+            extra={
+                "request_id": request.scope.get("state", {}).get("request_id"),
+                "status": exc.status,
+                "code": exc.code,
+            },
+        )
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -905,6 +990,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
             engine_rid,
             params=params,
             metrics=state.metrics,
+            client_request_id=rid_base,
             gen=engine.generate(
                 prompt_ids,
                 params,
@@ -916,7 +1002,8 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
             ),
         )
         await _start_streams([stream])
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        # Response id = prefix + engine request id: GET /v1/traces/{id} maps back statelessly.
+        response_id = f"chatcmpl-{engine_rid}"
         created = int(time.time())
         echo_prefix = ""
         if body.echo and body.messages[-1].role == "assistant":
@@ -990,6 +1077,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
             parsed = plan.parser.parse(text)
             calls = parsed.tool_calls if plan.parallel else parsed.tool_calls[:1]
             if calls:
+                _log_invalid_calls(calls, plan.tools)
                 message["content"] = parsed.content
                 message["tool_calls"] = [_tool_call_json(call) for call in calls]
                 if finish_reason == "stop":
@@ -1017,6 +1105,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
             else {}
         )
         has_calls: set[int] = set()
+        sent_calls: dict[int, list[Any]] = {}  # call deltas sent, validated at finish
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
             data: dict[str, Any] = {
@@ -1066,7 +1155,10 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
                             delta["content"] = content
                         if calls:
                             has_calls.add(d.index)
+                            sent_calls.setdefault(d.index, []).extend(calls)
                             delta["tool_calls"] = [_tool_delta_json(c) for c in calls]
+                        if finish is not None and d.index in sent_calls and plan is not None:
+                            _log_invalid_streamed(sent_calls.pop(d.index), plan.tools)
                         if finish == "stop" and d.index in has_calls:
                             finish = "tool_calls"
                     elif d.delta_text:
@@ -1159,6 +1251,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
                     engine_rid,
                     params=params,
                     metrics=state.metrics,
+                    client_request_id=rid_base,
                     gen=engine.generate(
                         ids,
                         params,
@@ -1171,7 +1264,8 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
                 )
             )
         await _start_streams(streams)
-        response_id = f"cmpl-{uuid.uuid4().hex}"
+        # Prompt k's engine id is f"{response id without cmpl-}-{k}" (GET /v1/traces).
+        response_id = f"cmpl-{rid_base}-{suffix}"
         created = int(time.time())
         headers: dict[str, str] = {}  # X-Request-Id is added by the middleware
         echo_texts = [
@@ -1467,6 +1561,26 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
         check_model(engine, body.model)
         check_token_ids(body.tokens, int(engine.tokenizer.vocab_size), "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/v1/traces/{trace_id}")
+    async def get_trace(trace_id: str, publish: bool = False) -> dict[str, Any]:
+        """A request's trace (server/traces.py); ``publish=true``: the reviewed, stripped form."""
+        engine = ready_engine()
+        if not config.enable_request_traces:
+            raise ApiError(
+                404,
+                "Request traces are off: start the server with --enable-request-traces.",
+                code="trace_not_found",
+            )
+        try:
+            return await fetch_trace(engine, trace_id, publish=publish)
+        except TraceNotFound:
+            raise ApiError(
+                404,
+                f"No trace for request `{trace_id}` (unknown, or evicted by --max-traces).",
+                param="trace_id",
+                code="trace_not_found",
+            ) from None
 
     if config.enable_debug_endpoints:
 

@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--enforce-eager", action="store_true", help="Disable graph capture / compilation."
     )
     e.add_argument("--num-threads", type=int, help="CPU threads for torch.")
+    e.add_argument(
+        "--cpu-linear",
+        choices=["auto", "torch", "onednn"],
+        help="CPU fp32 matmuls: oneDNN-prepacked weights (auto: when available) or plain torch.",
+    )
     _bool_flag(e, "--debug-invariants", "Check scheduler/KV invariants every step (slow).")
     e.add_argument("--max-logprobs", type=int, help="Largest logprobs/top_logprobs accepted.")
     e.add_argument(

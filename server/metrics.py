@@ -249,6 +249,15 @@ class Metrics:
             "fuel:kv_cache_total_blocks", "KV-cache blocks in total."
         )
         self.kv_cache_free_blocks = gauge("fuel:kv_cache_free_blocks", "KV-cache blocks free.")
+        self.predictor_mean_abs_rel_error = gauge(
+            "fuel:latency_predictor_mean_abs_rel_error",
+            "Mean |predicted - actual| / actual completion time of finished requests, "
+            "predicted at admission.",
+        )
+        self.predictor_samples = gauge(
+            "fuel:latency_predictor_samples",
+            "Finished requests scored against their admission-time latency prediction.",
+        )
 
         # Rejections by reason: engine-side (from EngineStats), server-side
         # (observe_rejection) and what fuel:admission_rejections_total shows.
@@ -274,6 +283,8 @@ class Metrics:
         self.num_preempted_waiting.set(stats.num_preempted_waiting)
         self.kv_cache_total_blocks.set(stats.num_total_blocks)
         self.kv_cache_free_blocks.set(stats.num_free_blocks)
+        self.predictor_mean_abs_rel_error.set(stats.predictor_mean_abs_rel_error)
+        self.predictor_samples.set(stats.predictor_samples)
 
         last = self._last
         d_queries = _delta(stats.prefix_cache_queries, last.prefix_cache_queries)

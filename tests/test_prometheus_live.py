@@ -1,9 +1,10 @@
-"""A real Prometheus scrapes a live metrics target; every dashboard query returns data.
+"""A real Prometheus scrapes the real server; every dashboard query returns data.
 
-The target is the ``metrics_target`` fixture. Today it is a small FastAPI app
-serving ``server.metrics.Metrics`` under synthetic engine traffic; switching to
-the real server is one line: make ``metrics_target`` return ``real_server``
-(``python -m server.cli --host 127.0.0.1 --port P`` on the default model).
+The target is Fuel Serve itself (``python -m server.cli`` on the default model,
+random free port) started with ``--max-num-seqs 1 --max-waiting-requests 1``
+so a small concurrent burst is answered 429 and the admission-rejections panel
+has data. The rest of the traffic mixes chat and completions, streaming and
+not, and repeats a long system prompt so the prefix cache hits.
 
 Prometheus runs on loopback with a temporary config (1 s scrapes) and temporary
 storage, and is always stopped by a finalizer.
@@ -19,37 +20,34 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 import yaml
-from fastapi import FastAPI, Response
-from fastapi.responses import JSONResponse
-
-from engine.outputs import RequestMetrics
-from engine.stats import EngineStats
-from server.metrics import Metrics
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "configs" / "grafana" / "dashboards" / "fuel-serve.json"
-MODEL = "synthetic-model"
+# Long enough to fill whole KV blocks (16 tokens), so repeats hit the prefix cache.
+SYSTEM_PROMPT = (
+    "You are the on-call assistant of a small observatory. You answer in one short sentence, "
+    "you never guess telescope serial numbers, you prefer metric units, and you always "
+    "mention the weather if the question is about observing tonight. "
+)
 
 
 @dataclass
 class Target:
-    """A live HTTP server exposing /metrics, /health and POST /v1/completions."""
+    """The live server: base URL and the model name its metrics are labelled with."""
 
     base_url: str
     model_name: str
-    send_request: Callable[[httpx.Client, int], None]
 
 
 def free_port() -> int:
@@ -70,90 +68,25 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
-def synthetic_app() -> FastAPI:
-    """Metrics under fake engine traffic: every request moves every dashboard series."""
-    metrics = Metrics(MODEL, max_model_len=2048)
-    stats = EngineStats(num_total_blocks=100)
-    lock = threading.Lock()
-    app = FastAPI()
-
-    @app.get("/health")
-    def health() -> Response:
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    def get_metrics() -> Response:
-        with lock:
-            metrics.update_from_stats(stats)
-            body, ctype = metrics.render()
-        return Response(content=body, media_type=ctype)
-
-    @app.post("/v1/completions")
-    def completions(body: dict[str, object]) -> JSONResponse:
-        i = int(str(body.get("seed", 0)))
-        with lock:
-            stats.num_steps += 3
-            if i % 7 == 6:  # admission control says no, seen by both engine and server
-                stats.rejections["queue_full"] = stats.rejections.get("queue_full", 0) + 1
-                metrics.observe_rejection("queue_full")
-                return JSONResponse({"error": "queue full"}, status_code=429)
-            now = time.monotonic()
-            prompt, gen = 20 + i % 13, 4 + i % 5
-            stats.prompt_tokens += prompt - 8
-            stats.generation_tokens += gen
-            stats.prefix_cache_queries += prompt
-            stats.prefix_cache_hits += 8
-            stats.num_preemptions += i % 2
-            stats.num_running = 1 + i % 4
-            stats.num_waiting = i % 3
-            stats.kv_cache_usage = (i % 10) / 10
-            itl = 0.004 + 0.002 * (i % 4)
-            first = now - 0.05 - gen * itl
-            token_times = [first + k * itl for k in range(gen)]
-            rm = RequestMetrics(
-                arrival_time=first - 0.2,
-                first_scheduled_time=first - 0.15,
-                first_token_time=first,
-                last_token_time=token_times[-1],
-                finished_time=token_times[-1] + 0.001,
-            )
-            metrics.observe_finished(
-                rm, prompt, gen, "stop" if i % 3 else "length", 1, 16, token_times
-            )
-        return JSONResponse({"id": f"cmpl-{i}", "choices": []})
-
-    return app
-
-
-@pytest.fixture
-def synthetic_server() -> Iterator[Target]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(synthetic_app(), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: httpx.get(f"{base}/health").status_code == 200, 30, "synthetic server")
-
-        def send(client: httpx.Client, i: int) -> None:
-            client.post(f"{base}/v1/completions", json={"model": MODEL, "seed": i})
-
-        yield Target(base, MODEL, send)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-
 @pytest.fixture
 def real_server(tmp_path: Path) -> Iterator[Target]:
-    """The real Fuel Serve on the default model (needs server/cli.py)."""
+    """The real Fuel Serve on the default model, one sequence at a time, queue of one."""
     port = free_port()
     log = (tmp_path / "server.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "--host", "127.0.0.1", "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            "1",
+            "--max-waiting-requests",
+            "1",
+        ],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -163,15 +96,7 @@ def real_server(tmp_path: Path) -> Iterator[Target]:
     try:
         wait_until(lambda: httpx.get(f"{base}/health").status_code == 200, 300, "fuel-serve")
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-
-        def send(client: httpx.Client, i: int) -> None:
-            client.post(
-                f"{base}/v1/completions",
-                json={"model": model, "prompt": f"Count to {i}:", "max_tokens": 8},
-                timeout=120,
-            )
-
-        yield Target(base, model, send)
+        yield Target(base, model)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -183,9 +108,39 @@ def real_server(tmp_path: Path) -> Iterator[Target]:
 
 
 @pytest.fixture
-def metrics_target(synthetic_server: Target) -> Target:
-    # The one line to change for the real server: `(real_server: Target)`.
-    return synthetic_server
+def metrics_target(real_server: Target) -> Target:
+    return real_server
+
+
+def send_mixed(client: httpx.Client, target: Target, i: int) -> int:
+    """Request ``i`` of the steady traffic: chat/completions x stream/not. Returns the status."""
+    stream = i % 4 >= 2
+    common = {"model": target.model_name, "max_tokens": 6, "temperature": 0, "stream": stream}
+    if i % 2 == 0:
+        url = f"{target.base_url}/v1/chat/completions"
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"Is tonight good for observing, question {i}?"},
+        ]
+        body: dict[str, object] = {**common, "messages": messages}
+    else:
+        url = f"{target.base_url}/v1/completions"
+        body = {**common, "prompt": f"{SYSTEM_PROMPT}Count to {i}:"}
+    r = client.post(url, json=body, timeout=120)
+    r.read()  # a stream is only finished (and observed) once read to [DONE]
+    return r.status_code
+
+
+def send_burst(target: Target, size: int) -> list[int]:
+    """``size`` concurrent completions; with one running and one waiting slot most get 429."""
+    body = {"model": target.model_name, "prompt": "Burst", "max_tokens": 16, "ignore_eos": True}
+
+    def one(_: int) -> int:
+        with httpx.Client(timeout=120) as c:
+            return c.post(f"{target.base_url}/v1/completions", json=body).status_code
+
+    with ThreadPoolExecutor(max_workers=size) as pool:
+        return list(pool.map(one, range(size)))
 
 
 @pytest.fixture
@@ -261,11 +216,13 @@ def test_every_dashboard_query_returns_data(prometheus: str, metrics_target: Tar
         30,
         "first successful scrape",
     )
-    # Traffic spread over several scrapes so rate() sees increases.
-    with httpx.Client(timeout=30) as client:
-        for i in range(30):
-            metrics_target.send_request(client, i)
-            time.sleep(0.2)
+    # The burst first, so the rejection series exists for several scrapes before we query.
+    statuses = send_burst(metrics_target, 6)
+    assert 429 in statuses and 200 in statuses, statuses
+    # Steady traffic spread over many scrapes so rate() sees increases.
+    with httpx.Client() as client:
+        codes = [send_mixed(client, metrics_target, i) for i in range(12)]
+    assert codes == [200] * len(codes), codes
     time.sleep(3)  # a few more scrapes after the last request
 
     queries = dashboard_queries(metrics_target.model_name)
@@ -281,3 +238,10 @@ def test_every_dashboard_query_returns_data(prometheus: str, metrics_target: Tar
             non_finite.append(f"{title}: {expr} -> {values}")
     assert not empty, "queries without data:\n" + "\n".join(empty)
     assert not non_finite, "queries without a finite value:\n" + "\n".join(non_finite)
+    # The traffic really moved the series the panels are about.
+    hits = query(
+        prometheus, f'vllm:prefix_cache_hits_total{{model_name="{metrics_target.model_name}"}}'
+    )
+    assert float(hits[0]["value"][1]) > 0  # type: ignore[index]
+    rejected = query(prometheus, "sum(fuel:admission_rejections_total)")
+    assert float(rejected[0]["value"][1]) == statuses.count(429)  # type: ignore[index]

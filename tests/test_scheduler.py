@@ -207,3 +207,50 @@ def test_finish_frees_everything() -> None:
     s.finish(a, RequestStatus.FINISHED_ABORTED)
     assert a.block_ids == [] and s.kv.num_free_blocks == 64
     s.check_invariants()
+
+
+def test_prediction_error_scored_at_finish() -> None:
+    s, clock = make(max_num_batched_tokens=64)
+    s.predictor.prefill_token_s = 0.01
+    s.predictor.decode_step_s = 0.1
+    a = req("a", 10, clock, max_tokens=50)
+    a.deadline = clock() + 10.0
+    s.add_request(a)
+    # Nothing ahead: predicted = 10 prompt tokens * 10 ms + n_out * 100 ms.
+    b = req("b", 20, clock, max_tokens=5)
+    s.add_request(b)
+    # b queues behind a's 10 prompt tokens: prefill part (10 + 20) * 10 ms.
+    assert s.predictions["b"].prefill_s == pytest.approx(0.3)
+    for _ in range(3):
+        run_step(s)
+    assert a.num_output_tokens == 3
+    clock.t += 0.8  # actual 0.8 s vs predicted 0.1 + 3 * 0.1 = 0.4 s: rel error -0.5
+    s.finish(a, RequestStatus.FINISHED_STOPPED)
+    assert s.prediction_errors.samples == 1
+    assert s.prediction_errors.mean_abs_rel_error == pytest.approx(0.5)
+    assert s.prediction_errors.mean_rel_error == pytest.approx(-0.5)
+    assert s.latency_budget_misses == 0
+    clock.t += 10.0  # b: 3 tokens predicted 0.3 + 0.3 = 0.6 s, actual 10.8 s
+    s.finish(b, RequestStatus.FINISHED_LENGTH)
+    rel_b = (0.6 - 10.8) / 10.8
+    assert s.prediction_errors.samples == 2
+    assert s.prediction_errors.mean_abs_rel_error == pytest.approx((0.5 + abs(rel_b)) / 2)
+    assert s.prediction_errors.mean_rel_error == pytest.approx((-0.5 + rel_b) / 2)
+    assert s.predictions == {}
+
+
+def test_aborted_request_not_scored_and_budget_miss_counted() -> None:
+    s, clock = make()
+    a = req("a", 4, clock)
+    s.add_request(a)
+    run_step(s)
+    clock.t += 5
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert s.prediction_errors.samples == 0 and s.predictions == {}
+    b = req("b", 4, clock, max_tokens=2)
+    b.deadline = clock() + 1.0
+    s.add_request(b)
+    run_step(s)
+    clock.t += 2  # past b's deadline
+    s.finish(b, RequestStatus.FINISHED_LENGTH)
+    assert s.latency_budget_misses == 1 and s.prediction_errors.samples == 1

@@ -224,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, attn_backend)
         self.lm_head: nn.Linear | None = None
+        self.logits_linear: nn.Module | None = None  # set by pack_for_cpu
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -253,8 +254,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for hidden states ``[N, hidden]``."""
+        if self.logits_linear is not None:
+            return self.logits_linear(hidden).float()
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return F.linear(hidden, weight).float()
+
+    def pack_for_cpu(self, min_rows: int = 8) -> int:
+        """Prepack every linear (and the logits projection) for oneDNN; see engine/cpu_linear.py."""
+        from engine.cpu_linear import PackedLinear, pack_linears
+
+        n = pack_linears(self.model, min_rows)
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        # A separate module so a tied embedding stays one tensor for lookups.
+        self.logits_linear = PackedLinear(weight, None, min_rows)
+        return n + 1
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face tensor names ``load_weights`` requires."""
