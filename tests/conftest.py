@@ -18,3 +18,18 @@ def default_gguf_path() -> Path:
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model() -> object:
+    """transformers' own model of the default GGUF, float32, loaded once per session
+    (its GGUF load is the slowest step of the suite)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    model.eval()
+    return model

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,14 +28,15 @@ from tests.model_utils import TINY_ARCHS, make_tiny_checkpoint
 GEN = 12
 
 
-def hf_greedy(
-    model_dir: Path | str, prompt: list[int], n: int, gguf_file: str | None = None
-) -> list[int]:
+def hf_greedy(model_dir: Path | str | Any, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation; ``model_dir`` is a checkpoint dir or a loaded model."""
     from transformers import AutoModelForCausalLM
 
-    kw = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **kw)
-    model.eval()
+    if isinstance(model_dir, str | Path):
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model.eval()
+    else:
+        model = model_dir
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
@@ -220,13 +222,12 @@ def test_abort_returns_blocks(tiny_dirs: dict[str, Path]) -> None:
 
 
 @pytest.mark.slow
-def test_default_gguf_greedy_matches_transformers() -> None:
-    path = default_gguf_path()
+def test_default_gguf_greedy_matches_transformers(hf_gguf_model: Any) -> None:
     llm = LLM(
         EngineConfig(debug_invariants=True, kv_cache_memory=64 << 20, max_num_batched_tokens=64)
     )
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colors."}])
-    want = hf_greedy(path.parent, prompt, 24, gguf_file=path.name)
+    want = hf_greedy(hf_gguf_model, prompt, 24)
     got = llm.generate([prompt], greedy(24))[0].token_ids
     assert got == want
     # Inside a batch with others arriving at different steps, chunked prefill (64).

@@ -243,21 +243,15 @@ def test_gguf_names() -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm(default_model_path: Path):
+def smollm(default_model_path: Path, hf_gguf_model: Any):
     """(our model, config, transformers model) on the default GGUF, in float32."""
-    from transformers import AutoModelForCausalLM
-
     path = resolve_model_path(None)
     assert path == default_model_path
     cfg = load_model_config(path)
     t0 = time.perf_counter()
     ours = load_model(path, cfg, TorchAttentionBackend(), torch.float32, "cpu")
     print(f"\nGGUF load (ours): {time.perf_counter() - t0:.2f} s")
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    hf.eval()
-    return ours, cfg, hf
+    return ours, cfg, hf_gguf_model
 
 
 @pytest.mark.slow
