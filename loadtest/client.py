@@ -41,6 +41,7 @@ class RequestSpec:
     temperature: float = 0.0
     ignore_eos: bool = False
     seed: int | None = None
+    extra_body: dict[str, Any] | None = None  # more body fields (e.g. cache_salt)
 
 
 @dataclass
@@ -85,6 +86,8 @@ def build_payload(cfg: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
         body["ignore_eos"] = True
     if spec.seed is not None:
         body["seed"] = spec.seed
+    if spec.extra_body:
+        body.update(spec.extra_body)
     return body
 
 
