@@ -51,3 +51,42 @@ def pack_linears(model: nn.Module, min_rows: int = 8) -> int:
         else:
             count += pack_linears(child, min_rows)
     return count
+
+
+class Int8DynamicLinear(nn.Module):
+    """Weight-int8 (per output channel, symmetric), activation-int8 (dynamic) linear.
+
+    Uses torch's fbgemm/x86 quantized kernels, 5-10x faster than fp32 GEMM on
+    AVX2 CPUs for decode-sized batches because it reads a quarter of the bytes.
+    It is an approximation (like any quantization): opt-in via
+    ``--cpu-linear int8``, never the default, since outputs then differ from
+    the unquantized model's.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantLinear
+
+        w = weight.detach().float()
+        out_features, in_features = w.shape
+        scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
+        qweight = torch.quantize_per_channel(
+            w, scales, torch.zeros(out_features, dtype=torch.long), 0, torch.qint8
+        )
+        self.inner = DynamicQuantLinear(in_features, out_features, bias_=bias is not None)
+        self.inner.set_weight_bias(qweight, None if bias is None else bias.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` under ``model`` by an Int8DynamicLinear; returns the count."""
+    count = 0
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, Int8DynamicLinear(child.weight, child.bias))
+            count += 1
+        else:
+            count += quantize_linears(child)
+    return count

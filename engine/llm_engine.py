@@ -101,7 +101,11 @@ class LLMEngine:
         backend = get_attention_backend(config.attention_backend, device)
         # Any: the model class comes from the registry (LlamaForCausalLM-like).
         model: Any = load_model(path, mc, backend, dtype, device)
-        if self._use_onednn(device, dtype):
+        if config.cpu_linear == "int8":
+            if device.type != "cpu":
+                raise ValueError("--cpu-linear int8 is for the CPU only")
+            model.quantize_int8_for_cpu()
+        elif self._use_onednn(device, dtype):
             model.pack_for_cpu()
         self.model = model
         num_blocks = self._num_blocks(device, dtype, max_len)
@@ -135,8 +139,8 @@ class LLMEngine:
         from engine.cpu_linear import onednn_packing_available
 
         choice = self.config.cpu_linear
-        if choice not in ("auto", "torch", "onednn"):
-            raise ValueError(f"unknown --cpu-linear {choice!r}; choose auto, torch or onednn")
+        if choice not in ("auto", "torch", "onednn", "int8"):
+            raise ValueError(f"unknown --cpu-linear {choice!r}; choose auto, torch, onednn or int8")
         usable = device.type == "cpu" and dtype == torch.float32 and onednn_packing_available()
         if choice == "onednn" and not usable:
             raise ValueError(

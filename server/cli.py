@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-threads", type=int, help="CPU threads for torch.")
     e.add_argument(
         "--cpu-linear",
-        choices=["auto", "torch", "onednn"],
-        help="CPU fp32 matmuls: oneDNN-prepacked weights (auto: when available) or plain torch.",
+        choices=["auto", "torch", "onednn", "int8"],
+        help="CPU matmuls: oneDNN-prepacked fp32 weights (auto: when available), plain torch, "
+        "or int8 (dynamic int8 quantization: much faster, approximate; opt-in).",
     )
     _bool_flag(e, "--debug-invariants", "Check scheduler/KV invariants every step (slow).")
     e.add_argument("--max-logprobs", type=int, help="Largest logprobs/top_logprobs accepted.")

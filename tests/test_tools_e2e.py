@@ -262,7 +262,7 @@ def test_forced_tool_calls(sdk: openai.OpenAI, choice: Any) -> None:
         msg = r.choices[0].message
         assert r.choices[0].finish_reason == "tool_calls", msg
         assert not msg.content, msg.content  # the grammar allows call blocks only
-        pairs = _check_calls(msg.tool_calls)  # type: ignore[arg-type]
+        pairs = _check_calls(msg.tool_calls)
         if isinstance(choice, dict):
             assert [name for name, _ in pairs] == ["get_weather"]
         content, streamed, finish = _assemble_stream(sdk, kwargs)
@@ -270,8 +270,7 @@ def test_forced_tool_calls(sdk: openai.OpenAI, choice: Any) -> None:
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == pairs
         # Arguments are streamed byte-identically, not just equal as JSON.
         assert [c["arguments"] for c in streamed] == [
-            c.function.arguments
-            for c in msg.tool_calls or []  # type: ignore[union-attr]
+            c.function.arguments for c in msg.tool_calls or []
         ]
 
 
@@ -280,7 +279,7 @@ def test_parallel_tool_calls_false_gives_one_call(sdk: openai.OpenAI) -> None:
         parallel_tool_calls=False, **_forced_kwargs(TOOL_PROMPTS[2], "required", 11)
     )
     assert r.choices[0].finish_reason == "tool_calls"
-    assert len(_check_calls(r.choices[0].message.tool_calls)) == 1  # type: ignore[arg-type]
+    assert len(_check_calls(r.choices[0].message.tool_calls)) == 1
 
 
 def test_auto_and_none(sdk: openai.OpenAI) -> None:
@@ -292,7 +291,7 @@ def test_auto_and_none(sdk: openai.OpenAI) -> None:
         )
         choice = r.choices[0]
         if choice.message.tool_calls:
-            _check_calls(choice.message.tool_calls)  # type: ignore[arg-type]
+            _check_calls(choice.message.tool_calls)
             assert choice.finish_reason in ("tool_calls", "length")
         else:
             assert choice.message.content and choice.finish_reason in ("stop", "length")
@@ -316,7 +315,7 @@ def test_agent_round_trip(sdk: openai.OpenAI) -> None:
     )
     assert first.choices[0].finish_reason == "tool_calls"
     calls = first.choices[0].message.tool_calls or []
-    _check_calls(calls)  # type: ignore[arg-type]
+    _check_calls(calls)
     messages.append(first.choices[0].message.model_dump(exclude_none=True))
     for call in calls:
         messages.append(

@@ -259,6 +259,16 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return F.linear(hidden, weight).float()
 
+    def quantize_int8_for_cpu(self) -> int:
+        """Dynamic int8 linears (and logits projection); see engine/cpu_linear.py."""
+        from engine.cpu_linear import Int8DynamicLinear, quantize_linears
+
+        n = quantize_linears(self.model)
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        self.logits_linear = Int8DynamicLinear(weight, None)
+        self.lm_head = None if self.lm_head is None else self.lm_head
+        return n + 1
+
     def pack_for_cpu(self, min_rows: int = 8) -> int:
         """Prepack every linear (and the logits projection) for oneDNN; see engine/cpu_linear.py."""
         from engine.cpu_linear import PackedLinear, pack_linears
