@@ -16,12 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
+from live_server import live_server
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("engine.async_engine")
@@ -40,64 +36,24 @@ BURST = 40
 FINISH_REASONS = {"stop", "length"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
     log = tmp_path_factory.mktemp("overload") / "server.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "server.cli",
-                "--port",
-                str(port),
-                "--enable-debug-endpoints",
-                "--max-model-len",
-                "1024",
-                "--kv-cache-memory",
-                "16MiB",
-                "--max-num-seqs",
-                "4",
-                "--max-waiting-requests",
-                "4",
-                "--served-model-name",
-                MODEL,
-            ],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ},
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited early:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready:\n{log.read_text()[-4000:]}")
-            time.sleep(0.5)
+    flags = [
+        "--enable-debug-endpoints",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "16MiB",
+        "--max-num-seqs",
+        "4",
+        "--max-waiting-requests",
+        "4",
+        "--served-model-name",
+        MODEL,
+    ]
+    with live_server(flags, log) as (_, base):
         yield base
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @dataclass

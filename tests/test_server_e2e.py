@@ -7,11 +7,8 @@ stops that server.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,18 +16,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from live_server import live_server
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("engine.async_engine")
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "e2e-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:
@@ -47,59 +39,25 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = _free_port()
+    flags = [
+        "--api-key",
+        API_KEY,
+        "--enable-debug-endpoints",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "64MiB",
+        "--shutdown-timeout",
+        "30",
+        "--served-model-name",
+        "smol",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ]
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "server.cli",
-                "--port",
-                str(port),
-                "--api-key",
-                API_KEY,
-                "--enable-debug-endpoints",
-                "--max-model-len",
-                "1024",
-                "--kv-cache-memory",
-                "64MiB",
-                "--shutdown-timeout",
-                "30",
-                "--served-model-name",
-                "smol",
-                "--enable-auto-tool-choice",
-                "--tool-call-parser",
-                "hermes",
-            ],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ},
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited early:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready:\n{log.read_text()[-4000:]}")
-            time.sleep(0.5)
+    with live_server(flags, log) as (proc, base):
         yield Server(proc, base, log)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture
