@@ -12,10 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from live_server import live_server
 
 pytestmark = pytest.mark.slow
 
@@ -45,40 +42,11 @@ class Live:
         return self.log.read_text(errors="replace").splitlines()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
-def live_server(log: Path, *flags: str) -> Iterator[Live]:
-    """Start ``python -m server.cli`` on a free port; SIGINT (then kill) on exit."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "server.cli", "--host", "127.0.0.1", "--port", str(port)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen([*cmd, *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited early:\n{log.read_text()[-4000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready:\n{log.read_text()[-4000:]}")
-            time.sleep(0.5)
+def running(log: Path, *flags: str) -> Iterator[Live]:
+    """A live server (tests/live_server.py) with ``flags``, as a Live handle."""
+    with live_server(["--host", "127.0.0.1", *flags], log) as (_, base):
         yield Live(base, log)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def chat_body(question: str, max_tokens: int = 6, **kw: Any) -> dict[str, Any]:
@@ -136,7 +104,7 @@ def sse_payloads(text: str) -> list[dict[str, Any]]:
 
 def test_traces_ids_and_logs_metadata_only(tmp_path: Path) -> None:
     flags = ["--enable-request-traces", "--log-json", "--max-num-batched-tokens", str(CHUNK)]
-    with live_server(tmp_path / "server.log", *flags) as srv, httpx.Client(timeout=120) as c:
+    with running(tmp_path / "server.log", *flags) as srv, httpx.Client(timeout=120) as c:
         # Non-streaming chat with a client request id.
         t0 = time.monotonic()
         r = c.post(
@@ -205,7 +173,7 @@ def test_traces_ids_and_logs_metadata_only(tmp_path: Path) -> None:
 
 def test_log_prompts_trace_has_text_publish_strips_it(tmp_path: Path) -> None:
     flags = ["--enable-request-traces", "--log-prompts", "--max-num-batched-tokens", str(CHUNK)]
-    with live_server(tmp_path / "server.log", *flags) as srv, httpx.Client(timeout=120) as c:
+    with running(tmp_path / "server.log", *flags) as srv, httpx.Client(timeout=120) as c:
         r = c.post(f"{srv.base}/v1/chat/completions", json=chat_body(f"Who is {MARKER}?"))
         assert r.status_code == 200, r.text
         reply = r.json()
