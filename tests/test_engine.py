@@ -272,7 +272,8 @@ def test_request_traces_add_up_and_hold_no_text(tiny_dirs: dict[str, Path]) -> N
     summary = summarize_timings(trace)
     assert summary.consistent and summary.e2e_ms is not None
     published = review_for_publication(trace)
-    assert "prompt_text" not in str(published) or published.get("prompt_text") is None
+    for private in ("prompt_text", "output_text", "prompt_token_ids", "output_token_ids", "user"):
+        assert published.get(private) is None, private
     assert trace.prompt_token_ids is None and trace.output_token_ids is None
 
 
