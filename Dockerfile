@@ -27,13 +27,17 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # CUDA base images (Ubuntu) ship no Python: install the distribution's python3 there.
+# gcc + libc headers: the native CPU attention kernel (kernels/csrc) is compiled
+# on first use for the CPU it runs on; without a compiler the server falls back
+# to the slower torch attention path (with a warning).
 # A venv keeps pip away from the system interpreter (PEP 668) on either base.
 # hadolint ignore=DL3008
-RUN if ! command -v python3 >/dev/null 2>&1; then \
-        apt-get update \
-        && apt-get install -y --no-install-recommends python3 python3-venv \
-        && rm -rf /var/lib/apt/lists/*; \
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && if ! command -v python3 >/dev/null 2>&1; then \
+        apt-get install -y --no-install-recommends python3 python3-venv; \
     fi \
+    && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 
 WORKDIR /app

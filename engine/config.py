@@ -31,7 +31,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "priority"  # fcfs | priority
     max_waiting_requests: int = 1024
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | triton | cpu
     enforce_eager: bool = False
     num_threads: int | None = None
     # CPU fp32 matmuls: "onednn" prepacks weights for oneDNN (2x less CPU per

@@ -101,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="Waiting-queue order.")
     e.add_argument("--max-waiting-requests", type=int, help="Queue length before 429s.")
     e.add_argument(
-        "--attention-backend", choices=["auto", "torch", "triton"], help="Attention implementation."
+        "--attention-backend",
+        choices=["auto", "torch", "triton", "cpu"],
+        help="Attention implementation: auto = triton on CUDA, cpu (native decode kernel, "
+        "built on first use) on the CPU, torch where that cannot be built.",
     )
     e.add_argument(
         "--enforce-eager", action="store_true", help="Disable graph capture / compilation."

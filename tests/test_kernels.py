@@ -1,4 +1,5 @@
-"""Triton kernels vs their torch references, and the Triton vs torch attention backends.
+"""Kernels vs their torch references (Triton, and the native CPU decode kernel), and the
+attention backends against each other.
 
 Without CUDA the kernels run under the Triton CPU interpreter, which Triton
 selects when a kernel is decorated (``@triton.jit`` at kernel-module import),
@@ -26,11 +27,13 @@ from typing import Any
 import pytest
 from triton.runtime.interpreter import InterpretedFunction
 
-from engine.attention.base import AttentionMetadata
+from engine.attention.base import AttentionMetadata, get_attention_backend
+from engine.attention.cpu_backend import CpuNativeAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
-from kernels import cache_write, fused_ops, paged_attention
+from kernels import cache_write, cpu_native, fused_ops, paged_attention
 from kernels.cache_write import store_kvcache, store_kvcache_ref
+from kernels.cpu_native import CpuKernels, NativeBuildError
 from kernels.fused_ops import (
     rms_norm,
     rms_norm_ref,
@@ -409,3 +412,108 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     _assert_close(got, silu_and_mul_ref(x), dtype)
     gate, up = x[..., :40].float(), x[..., 40:].float()
     _assert_close(silu_and_mul_ref(x), gate * torch.sigmoid(gate) * up, dtype)
+
+
+# ------------------------------------------------------------------ native CPU decode kernel
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels() -> CpuKernels:
+    try:
+        return CpuKernels.load()
+    except NativeBuildError as e:  # e.g. a device image without a C compiler
+        pytest.skip(f"native CPU kernels not buildable here: {e}")
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        ([1, 17, 8, 4, 33], 4, 2, 32, 4),  # length 1, block boundaries, mid-block ends
+        ([5], 9, 3, 64, 16),  # one sequence: split by kv head across threads
+        ([40, 3, 16, 9, 1, 64, 2, 7], 9, 3, 64, 16),  # enough to split by sequence
+        ([12, 30, 7], 8, 1, 128, 8),  # GQA ratio 8
+        ([6, 11], 3, 3, 24, 4),  # no GQA; head_dim not a multiple of 16 (scalar path)
+    ],
+)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_cpu_decode_attention_matches_ref(
+    cpu_kernels: CpuKernels,
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_threads: int,
+) -> None:
+    b = make_batch(
+        [1] * len(seq_lens),
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        seed=len(seq_lens),
+    )
+    q, kc, vc = b.q.cpu(), b.k_cache.cpu(), b.v_cache.cpu()
+    bt, sl = b.meta.block_tables.cpu(), b.meta.seq_lens.cpu()
+    got = cpu_kernels.paged_decode_attention(q, kc, vc, bt, sl, b.scale, num_threads=num_threads)
+    args = (q, kc, vc, bt, sl, b.meta.query_start_loc.cpu(), 1, max(seq_lens), b.scale, len(sl))
+    want = paged_attention_ref(*args)
+    _assert_close(got, want, torch.float32)
+
+
+def test_cpu_decode_attention_rejects_what_it_cannot_read(cpu_kernels: CpuKernels) -> None:
+    b = make_batch([1, 1], [5, 9])
+    q, kc, vc = b.q.cpu(), b.k_cache.cpu(), b.v_cache.cpu()
+    bt, sl = b.meta.block_tables.cpu(), b.meta.seq_lens.cpu()
+    run = cpu_kernels.paged_decode_attention
+    with pytest.raises(ValueError, match="float32"):
+        run(q.half(), kc, vc, bt, sl, 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        run(q, kc, vc, bt.long(), sl, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        run(q.transpose(0, 1).contiguous().transpose(0, 1), kc, vc, bt, sl, 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        run(q, kc, vc, bt, torch.tensor([0, 9], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        run(q, kc, vc, bt, torch.tensor([5, bt.shape[1] * 4 + 1], dtype=torch.int32), 1.0)
+
+
+def test_cpu_backend_matches_torch_backend(cpu_kernels: CpuKernels) -> None:
+    """Mixed decodes + extends with padding rows: decodes on the kernel, the rest on torch."""
+    b = make_batch(MIXED_Q, MIXED_S, num_heads=6, num_kv_heads=2, pad_tokens=2, seed=3)
+    b = replace(
+        b,
+        q=b.q.cpu(),
+        k=b.k.cpu(),
+        v=b.v.cpu(),
+        k_cache=b.k_cache.cpu(),
+        v_cache=b.v_cache.cpu(),
+    )
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    meta = b.meta
+    if meta.slot_mapping.device.type != "cpu":
+        pytest.skip("the batch helper built device metadata")
+    backend = CpuNativeAttentionBackend(cpu_kernels)
+    got = backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, meta, b.scale)
+    want = TorchAttentionBackend().forward(b.q, b.k, b.v, kc, vc, meta, b.scale)
+    assert torch.equal(b.k_cache, kc) and torch.equal(b.v_cache, vc)
+    t = meta.query_start_loc_cpu[-1]
+    _assert_close(got[:t], want[:t], torch.float32)
+    # bf16 caches fall back to the torch path, same answer as the torch backend.
+    b16 = make_batch(MIXED_Q, MIXED_S, dtype=torch.bfloat16, seed=4)
+    if b16.q.device.type == "cpu":
+        kc16, vc16 = b16.k_cache.clone(), b16.v_cache.clone()
+        got16 = backend.forward(b16.q, b16.k, b16.v, b16.k_cache, b16.v_cache, b16.meta, 0.3)
+        want16 = TorchAttentionBackend().forward(b16.q, b16.k, b16.v, kc16, vc16, b16.meta, 0.3)
+        torch.testing.assert_close(got16, want16, atol=0.0, rtol=0.0)
+
+
+def test_auto_backend_falls_back_without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_native.shutil, "which", lambda _name: None)
+    with pytest.raises(NativeBuildError, match="compiler"):
+        get_attention_backend("cpu", torch.device("cpu"))
+    assert isinstance(get_attention_backend("auto", torch.device("cpu")), TorchAttentionBackend)
+    assert not isinstance(
+        get_attention_backend("auto", torch.device("cpu")), CpuNativeAttentionBackend
+    )

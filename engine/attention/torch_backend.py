@@ -2,12 +2,18 @@
 
 Decode sequences (query length 1) are attended in one batched
 ``scaled_dot_product_attention`` call over their gathered, padded contexts.
+The gather uses ``index_select`` over a flattened block list (on CPU about
+5x faster than advanced indexing ``cache[table]``), and the gather index and
+padding mask are built once per step, not once per layer: every layer shares
+the step's metadata.
 Prefill/extend chunks are attended one sequence per call: their query lengths
 differ, and padding a 512-token chunk to share a call with 1-token decodes
 would waste more than the loop costs (a step holds few prefill chunks).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,20 +27,76 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    keep: torch.Tensor | None = None,
 ) -> None:
-    """Write new keys/values into their cache slots (slots < 0 are skipped)."""
+    """Write new keys/values into their cache slots.
+
+    ``keep``: indices of the rows to write (those whose slot is >= 0), or
+    ``None`` when every row is written. Computing it is a host sync, so the
+    caller does it once per step (``_StepPlan``), not once per layer.
+    """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     kc = k_cache.view(-1, num_kv_heads, head_dim)
     vc = v_cache.view(-1, num_kv_heads, head_dim)
-    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
-        keep = slot_mapping >= 0
+    if keep is not None:
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
     vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
 
 
+@dataclass
+class _StepPlan:
+    """What every layer of one step shares: built from the step's metadata once.
+
+    ``keep`` is None when every new token is stored (no ``-1`` slots). The
+    decode fields describe the first ``meta.num_decodes`` sequences:
+    ``flat_blocks`` int64 ``[nd * nblk]`` (block ids row by row) and ``mask``
+    bool ``[nd, 1, 1, nblk * block_size]`` (position < seq_len).
+    """
+
+    meta: AttentionMetadata
+    keep: torch.Tensor | None
+    flat_blocks: torch.Tensor | None = None
+    nblk: int = 0
+    mask: torch.Tensor | None = None
+
+
 class TorchAttentionBackend(AttentionBackend):
+    """Reference-grade paged attention in plain PyTorch.
+
+    The backend is shared by every layer; it memoises the plan of the step
+    whose metadata it last saw (compared by identity), so a plan is valid
+    exactly while the same ``AttentionMetadata`` object is passed in (the
+    model runner builds a new one per step and never mutates it).
+    """
+
     name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None
+
+    def _step_plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
+        plan = self._plan
+        if plan is not None and plan.meta is meta:
+            return plan
+        sm = meta.slot_mapping
+        keep = None
+        if sm.numel() and bool((sm < 0).any()):
+            keep = torch.nonzero(sm >= 0).squeeze(1)
+        plan = _StepPlan(meta, keep)
+        self._plan = plan
+        return plan
+
+    @staticmethod
+    def _gather_plan(plan: _StepPlan, block_size: int) -> None:
+        """Fill the decode gather fields of ``plan`` (once per step, on first use)."""
+        meta = plan.meta
+        nd = meta.num_decodes
+        max_len = max(meta.seq_lens_cpu[:nd])
+        plan.nblk = (max_len + block_size - 1) // block_size
+        plan.flat_blocks = meta.block_tables[:nd, : plan.nblk].reshape(-1).long()
+        pos = torch.arange(plan.nblk * block_size, device=meta.seq_lens.device)
+        plan.mask = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
 
     def forward(
         self,
@@ -46,12 +108,13 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         block_size = k_cache.shape[1]
+        plan = self._step_plan(meta, block_size)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.keep)
+        out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, block_size)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, plan, scale)
         starts = meta.query_start_loc_cpu
         for i in range(nd, meta.num_seqs):
             s, e = starts[i], starts[i + 1]
@@ -60,27 +123,27 @@ class TorchAttentionBackend(AttentionBackend):
             )
         return out
 
-    @staticmethod
     def _decode(
+        self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        plan: _StepPlan,
         scale: float,
-        block_size: int,
     ) -> torch.Tensor:
+        """Attention for the first ``nd = q.shape[0]`` sequences (one new token each)."""
         nd = q.shape[0]
-        max_len = max(meta.seq_lens_cpu[:nd])
-        nblk = (max_len + block_size - 1) // block_size
-        bt = meta.block_tables[:nd, :nblk].long()
-        hkv, d = k_cache.shape[2], k_cache.shape[3]
-        # [nd, nblk, bs, Hkv, D] -> [nd, Hkv, S, D]
-        kk = k_cache[bt].reshape(nd, nblk * block_size, hkv, d).transpose(1, 2)
-        vv = v_cache[bt].reshape(nd, nblk * block_size, hkv, d).transpose(1, 2)
-        pos = torch.arange(nblk * block_size, device=q.device)
-        mask = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
+        block_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        if plan.flat_blocks is None:
+            self._gather_plan(plan, block_size)
+        assert plan.flat_blocks is not None and plan.mask is not None
+        s = plan.nblk * block_size
+        # [nd * nblk, bs, Hkv, D] -> [nd, Hkv, S, D]
+        kk = k_cache.index_select(0, plan.flat_blocks).view(nd, s, hkv, d).transpose(1, 2)
+        vv = v_cache.index_select(0, plan.flat_blocks).view(nd, s, hkv, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2).to(kk.dtype), kk, vv, attn_mask=mask, scale=scale, enable_gqa=True
+            q.unsqueeze(2).to(kk.dtype), kk, vv, attn_mask=plan.mask, scale=scale, enable_gqa=True
         )
         return o.squeeze(2).to(q.dtype)
 
@@ -111,8 +174,10 @@ class TorchAttentionBackend(AttentionBackend):
             nblk = (seq_len + block_size - 1) // block_size
             blocks = meta.block_tables[i, :nblk].long()
             hkv, d = k_cache.shape[2], k_cache.shape[3]
-            kt = k_cache[blocks].reshape(-1, hkv, d)[:seq_len].transpose(0, 1).unsqueeze(0)
-            vt = v_cache[blocks].reshape(-1, hkv, d)[:seq_len].transpose(0, 1).unsqueeze(0)
+            kt = k_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len]
+            vt = v_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len]
+            kt = kt.transpose(0, 1).unsqueeze(0)
+            vt = vt.transpose(0, 1).unsqueeze(0)
             qpos = torch.arange(ctx, seq_len, device=q.device)
             kpos = torch.arange(seq_len, device=q.device)
             mask = kpos[None, :] <= qpos[:, None]

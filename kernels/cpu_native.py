@@ -1,0 +1,193 @@
+"""Native CPU kernels (C + OpenMP), built on first use and loaded with ctypes.
+
+Why C and not Triton here: Triton has no CPU backend outside its interpreter,
+and on CPU the torch path for paged decode attention spends most of its time
+gathering every sequence's whole context out of the paged cache (one copy per
+layer per step) and then re-reading it in a masked SDPA. The kernel in
+``csrc/cpu_attention.c`` reads K and V once, in place, through the block
+table. No PyPI package offers CPU paged attention for this cache layout on
+this torch version, so it is ours; its reference is
+``kernels.paged_attention.paged_attention_ref``, and tests compare the two.
+
+Building: ``cc -O3 -march=native -fopenmp`` into a cache directory keyed by
+the source, the flags, the compiler's version and the CPU's feature flags
+(``-march=native`` code must not run on another CPU). The build takes well
+under a second and is written atomically, so concurrent servers are safe. The
+library links ``libgomp.so.1``; torch has already loaded its own copy under
+that soname, so both share one OpenMP runtime and one thread pool.
+
+No module-level state: :meth:`CpuKernels.load` returns an object that the
+caller (an attention backend) keeps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+
+class NativeBuildError(RuntimeError):
+    """The native kernels could not be built or loaded here (no compiler, say)."""
+
+
+def default_cache_dir() -> Path:
+    """Where built libraries go, computed when called (never at import)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "fuel-serve" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cache_dir: Path) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise NativeBuildError("no C compiler (cc/gcc) on PATH")
+    source = _SOURCE.read_bytes()
+    try:
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, check=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeBuildError(f"{cc} --version failed: {e}") from e
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()])
+    ).hexdigest()[:24]
+    lib = cache_dir / f"fuel_cpu_kernels-{key}.so"
+    if lib.exists():
+        return lib
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if proc.returncode != 0:
+            raise NativeBuildError(f"compiling {_SOURCE.name} failed:\n{proc.stderr.strip()}")
+        os.replace(tmp, lib)  # atomic: a concurrent loader sees the old state or the whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+class CpuKernels:
+    """Handle on the loaded native library. Thread-safe: the kernels keep no state."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            # CDLL (not PyDLL): calls release the GIL while the kernel runs.
+            self._lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise NativeBuildError(f"loading {path} failed: {e}") from e
+        fn = self._lib.fuel_paged_decode_attention_f32
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._decode = fn
+
+    @classmethod
+    def load(cls, cache_dir: Path | None = None) -> CpuKernels:
+        """Build (once per machine and source) and load the library.
+
+        Raises:
+            NativeBuildError: no compiler, a failed build, or a failed load.
+        """
+        return cls(_build(cache_dir if cache_dir is not None else default_cache_dir()))
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+        num_threads: int | None = None,
+        *,
+        check_lengths: bool = True,
+    ) -> torch.Tensor:
+        """Attention of one new token per sequence over its cached context.
+
+        Same contract as :func:`kernels.paged_attention.paged_attention_ref` with
+        every query length 1 (its keys/values already stored): ``q`` ``[nd, Hq, D]``
+        float32; caches ``[num_blocks, block_size, Hkv, D]`` float32; ``block_tables``
+        int32 ``[nd, >= ceil(max(seq_lens) / block_size)]``; ``seq_lens`` int32 ``[nd]``,
+        each at least 1. Tensors must be contiguous CPU tensors (the kernel reads
+        raw pointers); anything else raises ValueError rather than reading wrong memory.
+        ``check_lengths=False`` skips the ``seq_lens`` bounds check (a host
+        reduction) for a caller that has already checked the same lengths.
+        """
+        nd, hq, d = q.shape
+        nb, bs, hkv, dk = k_cache.shape
+        checks = [
+            (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32, "float32 q and caches"),
+            (block_tables.dtype == seq_lens.dtype == torch.int32, "int32 tables and lengths"),
+            (all(t.device.type == "cpu" for t in (q, k_cache, v_cache)), "CPU tensors"),
+            (tuple(v_cache.shape) == (nb, bs, hkv, dk) and dk == d, "matching cache shapes"),
+            (hkv > 0 and hq % hkv == 0, "q heads a multiple of kv heads"),
+            (block_tables.dim() == 2 and block_tables.shape[0] == nd, "[nd, max_blocks] tables"),
+            (tuple(seq_lens.shape) == (nd,), "[nd] seq_lens"),
+            (
+                all(t.is_contiguous() for t in (q, k_cache, v_cache, block_tables, seq_lens)),
+                "contiguous tensors",
+            ),
+        ]
+        for ok, what in checks:
+            if not ok:
+                raise ValueError(f"paged_decode_attention needs {what}")
+        if check_lengths and nd:
+            lo, hi = int(seq_lens.min()), int(seq_lens.max())
+            if lo < 1 or hi > block_tables.shape[1] * bs:
+                raise ValueError("seq_lens must be in [1, max_blocks * block_size]")
+        res = torch.empty_like(q) if out is None else out
+        if not (res.is_contiguous() and res.shape == q.shape and res.dtype == torch.float32):
+            raise ValueError("out must be a contiguous float32 tensor shaped like q")
+        if nd == 0:
+            return res
+        rc = self._decode(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            res.data_ptr(),
+            nd,
+            hq,
+            hkv,
+            d,
+            bs,
+            scale,
+            num_threads if num_threads is not None else torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("paged_decode_attention: scratch allocation failed")
+        return res
