@@ -19,10 +19,11 @@ import torch
 
 from engine.attention.base import get_attention_backend
 from engine.config import EngineConfig
+from engine.cuda_graphs import batch_size_ladder, cuda_graph_factory
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model, load_model_config, resolve_model_path
-from engine.model_runner import ModelRunner, StepResult
+from engine.model_runner import ModelRunner, StepResult, attention_backend_of
 from engine.output_processor import (
     GroupState,
     build_output,
@@ -121,6 +122,8 @@ class LLMEngine:
             device,
             dtype,
         )
+        if device.type == "cuda" and not config.enforce_eager:
+            self._capture_decode_graphs(max_len)
         # The served name: what the user passed (as vLLM does), or the default model's name.
         name = config.model if config.model is not None else DEFAULT_MODEL_NAME
         self.info = EngineInfo(path, name, device, dtype, num_blocks, config.block_size, max_len)
@@ -212,12 +215,24 @@ class LLMEngine:
             f"attention={self.model_backend_name()}"
         )
 
+    def _capture_decode_graphs(self, max_len: int) -> None:
+        """CUDA graphs for decode-only steps (engine/cuda_graphs.py), when the backend allows."""
+        sizes = batch_size_ladder(self.config.max_num_seqs)
+        try:
+            t0 = time.perf_counter()
+            self.runner.enable_decode_graphs(sizes, max_len, cuda_graph_factory())
+        except ValueError as e:  # a backend that cannot be captured (torch): run eager
+            logger.warning("CUDA graphs off: %s", e)
+            return
+        logger.info(
+            "captured decode CUDA graphs for batch sizes %s in %.1f s",
+            sizes,
+            time.perf_counter() - t0,
+        )
+
     def model_backend_name(self) -> str:
-        for m in self.model.modules():
-            backend = getattr(m, "attn_backend", None)
-            if backend is not None:
-                return str(backend.name)
-        return "?"
+        backend = attention_backend_of(self.model)
+        return backend.name if backend is not None else "?"
 
     # ---- structured output ----------------------------------------------
     @property

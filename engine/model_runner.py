@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from engine.attention.base import AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs, GraphFactory
 from engine.outputs import PositionLogprobs, TokenLogprob
 from engine.request import Request
 from engine.sampler import GrammarMaskFn, Sampler, SamplerOutput
@@ -58,6 +59,28 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(
+        self, sizes: list[int], max_model_len: int, graph_factory: GraphFactory
+    ) -> None:
+        """Capture decode-only forwards at ``sizes`` (see engine/cuda_graphs.py).
+
+        Raises:
+            ValueError: the model's attention backend is not graph-safe.
+        """
+        backend = attention_backend_of(self.model)
+        if backend is None or not backend.graph_safe:
+            name = backend.name if backend is not None else "?"
+            raise ValueError(f"attention backend {name!r} cannot be captured in a graph")
+        self.graphs = DecodeGraphs(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+            sizes,
+            max_model_len,
+            self.block_size,
+            self.device,
+            graph_factory,
+        )
 
     def prepare(
         self, batch: Sequence[ScheduledRequest]
@@ -117,7 +140,11 @@ class ModelRunner:
         # Decodes (query length 1) first: the attention contract groups them.
         batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = None
+        if self.graphs is not None:
+            hidden = self.graphs.run(input_ids, positions, meta)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         result = StepResult()
         sample_rows: list[int] = []
@@ -168,3 +195,12 @@ class ModelRunner:
             )
             for j in range(n)
         ]
+
+
+def attention_backend_of(model: Any) -> AttentionBackend | None:
+    """The backend the model's attention layers share (None: none found)."""
+    for m in model.modules():
+        backend = getattr(m, "attn_backend", None)
+        if isinstance(backend, AttentionBackend):
+            return backend
+    return None

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import batch_size_ladder
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
@@ -315,3 +316,64 @@ def test_profile_step_runs_the_largest_batch(tiny_dirs: dict[str, Path]) -> None
     eng._profile_step(eng.info.device, eng.info.dtype, eng.info.max_model_len)
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
     assert eng.info.model_name == str(tiny_dirs["llama"])
+
+
+class EmulatedGraph:
+    """CPU stand-in for a CUDA graph: replay calls the recorded work again on the
+    same buffers and writes the same output buffer, which is what a replay does."""
+
+    def __init__(self) -> None:
+        self.fn: Any = None
+        self.out: torch.Tensor | None = None
+        self.replays = 0
+
+    def capture(self, fn: Any) -> torch.Tensor:
+        self.fn = fn
+        self.out = fn().clone()
+        return self.out
+
+    def replay(self) -> None:
+        assert self.fn is not None and self.out is not None
+        self.out.copy_(self.fn())
+        self.replays += 1
+
+
+def test_decode_graphs_match_eager(tiny_dirs: dict[str, Path]) -> None:
+    """Decode-only steps replayed from graphs at padded ladder sizes (3 -> 4 rows, then
+    2, then 1) give eager's tokens; mixed steps still run eagerly."""
+    prompts = [[5, 9, 13], [7] * 11, [3, 4, 5, 6, 7, 8, 9]]
+    lengths = [3, 6, 9]
+
+    def run(graphs: bool) -> tuple[dict[str, list[int]], list[EmulatedGraph]]:
+        eng = tiny_engine(tiny_dirs["llama"], attention_backend="triton", max_num_seqs=4)
+        made: list[EmulatedGraph] = []
+        if graphs:
+
+            def factory() -> EmulatedGraph:
+                made.append(EmulatedGraph())
+                return made[-1]
+
+            eng.runner.enable_decode_graphs([1, 2, 4], eng.info.max_model_len, factory)
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            eng.add_request(str(i), p, greedy(n))
+        toks: dict[str, list[int]] = {}
+        while eng.has_unfinished():
+            for _, out in eng.step():
+                for d in out.outputs:
+                    toks.setdefault(out.request_id, []).extend(d.delta_token_ids)
+        assert eng.kv.num_free_blocks == eng.kv.num_blocks
+        return toks, made
+
+    eager, _ = run(False)
+    graphed, made = run(True)
+    assert graphed == eager and [len(eager[str(i)]) for i in range(3)] == lengths
+    assert len(made) == 3 and all(g.replays > 0 for g in made)
+
+
+def test_decode_graphs_need_a_graph_safe_backend(tiny_dirs: dict[str, Path]) -> None:
+    eng = tiny_engine(tiny_dirs["llama"], attention_backend="torch")
+    with pytest.raises(ValueError, match="cannot be captured"):
+        eng.runner.enable_decode_graphs([1, 2], eng.info.max_model_len, EmulatedGraph)
+    assert batch_size_ladder(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_size_ladder(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert batch_size_ladder(1) == [1]

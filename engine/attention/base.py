@@ -69,6 +69,9 @@ class AttentionBackend(ABC):
     """Attend over the paged KV cache. One instance serves every layer."""
 
     name: str = "abstract"
+    # True when forward has no host syncs and no state carried between calls, so
+    # a captured replay (engine/cuda_graphs.py) recomputes it faithfully.
+    graph_safe: bool = False
 
     @abstractmethod
     def forward(

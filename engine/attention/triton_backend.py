@@ -19,6 +19,7 @@ class TritonAttentionBackend(AttentionBackend):
     """:class:`AttentionBackend` on Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
 
     name = "triton"
+    graph_safe = True
 
     def forward(
         self,
