@@ -429,8 +429,8 @@ def cpu_kernels() -> CpuKernels:
     ("seq_lens", "num_heads", "num_kv_heads", "head_dim", "block_size"),
     [
         ([1, 17, 8, 4, 33], 4, 2, 32, 4),  # length 1, block boundaries, mid-block ends
-        ([5], 9, 3, 64, 16),  # one sequence: split by kv head across threads
-        ([40, 3, 16, 9, 1, 64, 2, 7], 9, 3, 64, 16),  # enough to split by sequence
+        ([5], 9, 3, 64, 16),  # one sequence, fewer than threads
+        ([40, 3, 16, 9, 1, 64, 2, 7], 9, 3, 64, 16),  # more sequences than threads
         ([12, 30, 7], 8, 1, 128, 8),  # GQA ratio 8
         ([6, 11], 3, 3, 24, 4),  # no GQA; head_dim not a multiple of 16 (scalar path)
     ],
