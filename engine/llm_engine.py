@@ -18,12 +18,14 @@ from typing import Any
 import torch
 
 from engine.attention.base import get_attention_backend
+from engine.attention.cpu_backend import CpuNativeAttentionBackend
 from engine.config import EngineConfig
 from engine.cuda_graphs import batch_size_ladder, cuda_graph_factory
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model, load_model_config, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult, attention_backend_of
+from engine.models.ops import NativeCpuModelOps
 from engine.output_processor import (
     GroupState,
     build_output,
@@ -108,6 +110,9 @@ class LLMEngine:
             model.quantize_int8_for_cpu()
         elif self._use_onednn(device, dtype):
             model.pack_for_cpu()
+        if isinstance(backend, CpuNativeAttentionBackend) and dtype == torch.float32:
+            # The native CPU backend also brings fused norm/RoPE/SiLU ops (same library).
+            model.set_ops(NativeCpuModelOps(backend.kernels))
         self.model = model
         num_blocks = self._num_blocks(device, dtype, max_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

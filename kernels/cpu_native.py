@@ -36,7 +36,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.c"
+_SOURCES = [
+    Path(__file__).parent / "csrc" / "cpu_attention.c",
+    Path(__file__).parent / "csrc" / "cpu_ops.c",
+]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
@@ -64,7 +67,7 @@ def _build(cache_dir: Path) -> Path:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise NativeBuildError("no C compiler (cc/gcc) on PATH")
-    source = _SOURCE.read_bytes()
+    source = b"\0".join(src.read_bytes() for src in _SOURCES)
     try:
         version = subprocess.run(
             [cc, "--version"], capture_output=True, text=True, check=True, timeout=30
@@ -82,13 +85,13 @@ def _build(cache_dir: Path) -> Path:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"],
+            [cc, *_FLAGS, *(str(src) for src in _SOURCES), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=120,
         )
         if proc.returncode != 0:
-            raise NativeBuildError(f"compiling {_SOURCE.name} failed:\n{proc.stderr.strip()}")
+            raise NativeBuildError(f"compiling the native kernels failed:\n{proc.stderr.strip()}")
         os.replace(tmp, lib)  # atomic: a concurrent loader sees the old state or the whole file
     finally:
         if os.path.exists(tmp):
@@ -111,6 +114,19 @@ class CpuKernels:
         fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._decode = fn
+        f32 = ctypes.c_float
+        norm = self._lib.fuel_add_rms_norm_f32
+        norm.argtypes = [p, p, p, p, i64, i64, f32, ctypes.c_int]
+        norm.restype = None
+        self._norm = norm
+        rope = self._lib.fuel_rope_neox_f32
+        rope.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_int]
+        rope.restype = None
+        self._rope = rope
+        silu = self._lib.fuel_silu_mul_f32
+        silu.argtypes = [p, p, i64, i64, ctypes.c_int]
+        silu.restype = None
+        self._silu = silu
 
     @classmethod
     def load(cls, cache_dir: Path | None = None) -> CpuKernels:
@@ -191,3 +207,98 @@ class CpuKernels:
         if rc != 0:
             raise MemoryError("paged_decode_attention: scratch allocation failed")
         return res
+
+    # ---- fused small ops (kernels/csrc/cpu_ops.c) ------------------------------
+    # Contracts: float32, C-contiguous CPU tensors (checked); the torch
+    # references are engine.models.ops.TorchModelOps.
+
+    @staticmethod
+    def _check_f32(*ts: torch.Tensor) -> None:
+        for t in ts:
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("native CPU ops need contiguous float32 CPU tensors")
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``weight * rmsnorm(x + residual)``; with ``residual`` the sum is written
+        back into it (in place). ``x`` and ``residual``: ``[rows, dim]``."""
+        self._check_f32(x, weight, *(() if residual is None else (residual,)))
+        rows, dim = x.shape
+        if weight.shape != (dim,) or (residual is not None and residual.shape != x.shape):
+            raise ValueError("add_rms_norm: shape mismatch")
+        out = torch.empty_like(x)
+        self._norm(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            dim,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rope_neox_(
+        self,
+        qk: torch.Tensor,
+        heads: int,
+        head_dim: int,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        *,
+        check_positions: bool = True,
+    ) -> None:
+        """Rotate the first ``heads`` heads of every row of ``qk`` in place.
+
+        ``qk``: ``[rows, >= heads * head_dim]`` float32 whose rows may be strided
+        (a fused qkv output) but whose columns are contiguous; ``positions``:
+        int64 ``[rows]``, each < ``cos_sin.shape[0]`` (checked);
+        ``cos_sin``: ``[max_pos, head_dim]`` (cos | sin). ``check_positions=False``
+        skips the bounds check (a host reduction) for positions already checked.
+        """
+        rows = qk.shape[0]
+        if (
+            qk.dtype != torch.float32
+            or qk.device.type != "cpu"
+            or qk.dim() != 2
+            or qk.stride(1) != 1
+            or qk.shape[1] < heads * head_dim
+        ):
+            raise ValueError(
+                "rope_neox_ needs a float32 CPU [rows, cols] tensor, unit column stride"
+            )
+        self._check_f32(cos_sin)
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            raise ValueError("rope_neox_ needs contiguous int64 positions")
+        if cos_sin.shape[1] != head_dim or positions.shape != (rows,):
+            raise ValueError("rope_neox_: shape mismatch")
+        if (
+            check_positions
+            and rows
+            and (int(positions.min()) < 0 or int(positions.max()) >= cos_sin.shape[0])
+        ):
+            raise ValueError("rope_neox_: position outside the cos/sin cache")
+        self._rope(
+            qk.data_ptr(),
+            qk.stride(0),
+            rows,
+            heads,
+            head_dim,
+            positions.data_ptr(),
+            cos_sin.data_ptr(),
+            torch.get_num_threads(),
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * inter]`` (gate first)."""
+        self._check_f32(gate_up)
+        rows, two = gate_up.shape
+        out = torch.empty(rows, two // 2, dtype=gate_up.dtype)
+        self._silu(gate_up.data_ptr(), out.data_ptr(), rows, two // 2, torch.get_num_threads())
+        return out

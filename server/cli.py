@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--attention-backend",
         choices=["auto", "torch", "triton", "cpu"],
-        help="Attention implementation: auto = triton on CUDA, cpu (native decode kernel, "
-        "built on first use) on the CPU, torch where that cannot be built.",
+        help="Attention implementation: auto = triton on CUDA, cpu (native decode kernel and "
+        "fused norm/RoPE/SiLU ops, built on first use) on the CPU, torch where that cannot "
+        "be built.",
     )
     e.add_argument(
         "--enforce-eager", action="store_true", help="Disable graph capture / compilation."

@@ -31,6 +31,7 @@ from engine.attention.base import AttentionMetadata, get_attention_backend
 from engine.attention.cpu_backend import CpuNativeAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
+from engine.models.ops import NativeCpuModelOps, RopeInputs, TorchModelOps
 from kernels import cache_write, cpu_native, fused_ops, paged_attention
 from kernels.cache_write import store_kvcache, store_kvcache_ref
 from kernels.cpu_native import CpuKernels, NativeBuildError
@@ -516,4 +517,54 @@ def test_auto_backend_falls_back_without_a_compiler(monkeypatch: pytest.MonkeyPa
     assert isinstance(get_attention_backend("auto", torch.device("cpu")), TorchAttentionBackend)
     assert not isinstance(
         get_attention_backend("auto", torch.device("cpu")), CpuNativeAttentionBackend
+    )
+
+
+# ------------------------------------------------------------------ native CPU fused ops
+
+
+def test_native_model_ops_match_torch_ops(cpu_kernels: CpuKernels) -> None:
+    """Each native op against TorchModelOps (the reference), including the fallbacks."""
+    ref, nat = TorchModelOps(), NativeCpuModelOps(cpu_kernels)
+    g = torch.Generator().manual_seed(0)
+    # rows chosen on both sides of the kernels' threading threshold
+    for rows, dim in [(1, 96), (5, 576), (200, 576)]:
+        x = torch.randn(rows, dim, generator=g)
+        w = torch.randn(dim, generator=g)
+        res = torch.randn(rows, dim, generator=g)
+        want, want_h = ref.add_rms_norm(x, w, 1e-5, res.clone())
+        mine = res.clone()
+        got, got_h = nat.add_rms_norm(x, w, 1e-5, mine)
+        _assert_close(got, want, torch.float32)
+        assert got_h is mine and torch.equal(got_h, want_h)  # the residual is updated in place
+        got, got_h = nat.add_rms_norm(x, w, 1e-5, None)
+        _assert_close(got, ref.add_rms_norm(x, w, 1e-5, None)[0], torch.float32)
+        assert got_h is x
+        gu = torch.randn(rows, 2 * dim, generator=g)
+        _assert_close(nat.silu_mul(gu), ref.silu_mul(gu), torch.float32)
+    # RoPE in place on a fused qkv buffer (q then k adjacent), and out of place otherwise.
+    hq, hkv, d, t = 6, 2, 32, 7
+    cache = torch.randn(64, d, generator=g)
+    pos = torch.tensor([0, 1, 63, 7, 7, 30, 2])
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v_before = qkv[:, (hq + hkv) * d :].clone()
+    want_q, want_k = ref.rope(q.clone(), k.clone(), RopeInputs(pos, cache, torch.float32))
+    got_q, got_k = nat.rope(q, k, RopeInputs(pos, cache, torch.float32))
+    assert got_q.data_ptr() == qkv.data_ptr()  # rotated in place
+    _assert_close(got_q, want_q, torch.float32)
+    _assert_close(got_k, want_k, torch.float32)
+    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
+    q2, k2 = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    fq, fk = nat.rope(q2, k2, RopeInputs(pos, cache, torch.float32))  # not adjacent: fallback
+    rq, rk = ref.rope(q2, k2, RopeInputs(pos, cache, torch.float32))
+    assert torch.equal(fq, rq) and torch.equal(fk, rk)
+    with pytest.raises(ValueError, match="position"):
+        cpu_kernels.rope_neox_(qkv, hq + hkv, d, torch.tensor([0, 1, 64, 0, 0, 0, 0]), cache)
+    # bf16 goes to the reference
+    xb = torch.randn(3, 96, generator=g).bfloat16()
+    wb = torch.randn(96, generator=g).bfloat16()
+    assert torch.equal(
+        nat.add_rms_norm(xb, wb, 1e-5, None)[0], ref.add_rms_norm(xb, wb, 1e-5, None)[0]
     )

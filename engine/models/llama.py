@@ -23,20 +23,33 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.model_config import ModelConfig
+from engine.models.ops import ModelOps, RopeInputs, TorchModelOps
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, cast back, then scaled (Hugging Face's order)."""
+    """RMSNorm computed in float32, cast back, then scaled (Hugging Face's order).
+
+    ``forward(x)`` is the plain torch version (per-head q/k norms); decoder
+    layers call ``norm(x, residual)``, which goes through the model's
+    ``ModelOps`` (fused residual add, native on CPU).
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.dim = dim
+        self.ops: ModelOps = TorchModelOps()  # shared strategy, set by set_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (self.dim,), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; see engine/models/ops.py."""
+        return self.ops.add_rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -99,19 +112,9 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         self.cos_sin_cache = cache.to(device=device, dtype=torch.float32)
 
-    def lookup(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape ``[T, 1, head_dim // 2]`` in ``dtype`` for ``positions``."""
-        cs = self.cos_sin_cache.index_select(0, positions).to(dtype)
-        cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` by half-split (GPT-NeoX / HF Llama) RoPE."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        """One forward's rotary inputs (shared by every layer)."""
+        return RopeInputs(positions, self.cos_sin_cache, dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -132,27 +135,30 @@ class LlamaAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        # Shared by every layer; not a submodule (it holds no parameters).
+        # Shared by every layer; not submodules (they hold no parameters).
         self.attn_backend = attn_backend
+        self.ops: ModelOps = TorchModelOps()
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeInputs,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # Views, no copies: q and k stay adjacent in each row, which lets the
+        # native ops rotate both in place in one call.
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+            t, self.num_kv_heads, self.head_dim
+        )
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q, k = self.ops.rope(q, k, rope)
         o = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -163,10 +169,10 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.ops: ModelOps = TorchModelOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -180,13 +186,17 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeInputs,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual-stream form: returns ``(mlp_out, residual)``; the layer's output
+        is their sum, which the next norm computes (fused with the add)."""
+        h, residual = self.input_layernorm.norm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -247,10 +257,17 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb.lookup(positions, x.dtype)
+        rope = self.model.rotary_emb.inputs(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.model.norm.norm(x, residual)[0]
+
+    def set_ops(self, ops: ModelOps) -> None:
+        """Use ``ops`` (engine/models/ops.py) in every layer; the default is TorchModelOps."""
+        for m in self.modules():
+            if hasattr(m, "ops"):
+                setattr(m, "ops", ops)  # noqa: B010 (plain attribute, not a submodule)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for hidden states ``[N, hidden]``."""
