@@ -74,36 +74,32 @@ class AsyncEngine:
         """
         self.config = config
         self._go = threading.Event()  # set by start() (or shutdown()) to enter the loop
-        self._thread: threading.Thread | None = None
-        if engine is None:
-            built: list[LLMEngine] = []
-            failed: list[BaseException] = []
-            ready = threading.Event()
+        built: list[LLMEngine] = [] if engine is None else [engine]
+        failed: list[BaseException] = []
+        ready = threading.Event()
 
-            def build_then_run() -> None:
-                try:
+        def thread_main() -> None:
+            try:
+                if not built:
                     built.append(LLMEngine(config))
-                except BaseException as e:
-                    failed.append(e)
-                    return
-                finally:
-                    ready.set()
-                self._wait_then_run()
+            except BaseException as e:
+                failed.append(e)
+                return
+            finally:
+                ready.set()
+            self._go.wait()
+            self._run()
 
-            self._thread = threading.Thread(target=build_then_run, name="fuel-engine", daemon=True)
-            self._thread.start()
-            ready.wait()
-            if failed:
-                self._thread.join()
-                self._thread = None
-                raise failed[0]
-            engine = built[0]
-        else:
-            self._thread = threading.Thread(
-                target=self._wait_then_run, name="fuel-engine", daemon=True
-            )
-            self._thread.start()
-        self.engine = engine
+        self._thread: threading.Thread | None = threading.Thread(
+            target=thread_main, name="fuel-engine", daemon=True
+        )
+        self._thread.start()
+        ready.wait()
+        if failed:
+            self._thread.join()
+            self._thread = None
+            raise failed[0]
+        self.engine = built[0]
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.info.model_name
         self.max_model_len = self.engine.info.max_model_len
@@ -236,10 +232,6 @@ class AsyncEngine:
             return self._commands.get_nowait()
         except queue.Empty:
             return None
-
-    def _wait_then_run(self) -> None:
-        self._go.wait()
-        self._run()
 
     def _run(self) -> None:
         eng = self.engine

@@ -224,13 +224,17 @@ class CpuKernels:
         weight: torch.Tensor,
         eps: float,
         residual: torch.Tensor | None = None,
+        *,
+        validate: bool = True,
     ) -> torch.Tensor:
         """``weight * rmsnorm(x + residual)``; with ``residual`` the sum is written
-        back into it (in place). ``x`` and ``residual``: ``[rows, dim]``."""
-        self._check_f32(x, weight, *(() if residual is None else (residual,)))
+        back into it (in place). ``x`` and ``residual``: ``[rows, dim]``.
+        ``validate=False`` is for a caller that has checked this contract itself."""
         rows, dim = x.shape
-        if weight.shape != (dim,) or (residual is not None and residual.shape != x.shape):
-            raise ValueError("add_rms_norm: shape mismatch")
+        if validate:
+            self._check_f32(x, weight, *(() if residual is None else (residual,)))
+            if weight.shape != (dim,) or (residual is not None and residual.shape != x.shape):
+                raise ValueError("add_rms_norm: shape mismatch")
         out = torch.empty_like(x)
         self._norm(
             x.data_ptr(),
@@ -253,6 +257,7 @@ class CpuKernels:
         cos_sin: torch.Tensor,
         *,
         check_positions: bool = True,
+        validate: bool = True,
     ) -> None:
         """Rotate the first ``heads`` heads of every row of ``qk`` in place.
 
@@ -260,24 +265,26 @@ class CpuKernels:
         (a fused qkv output) but whose columns are contiguous; ``positions``:
         int64 ``[rows]``, each < ``cos_sin.shape[0]`` (checked);
         ``cos_sin``: ``[max_pos, head_dim]`` (cos | sin). ``check_positions=False``
-        skips the bounds check (a host reduction) for positions already checked.
+        skips the bounds check (a host reduction) for positions already checked;
+        ``validate=False`` skips the layout checks, for a caller that made them.
         """
         rows = qk.shape[0]
-        if (
-            qk.dtype != torch.float32
-            or qk.device.type != "cpu"
-            or qk.dim() != 2
-            or qk.stride(1) != 1
-            or qk.shape[1] < heads * head_dim
-        ):
-            raise ValueError(
-                "rope_neox_ needs a float32 CPU [rows, cols] tensor, unit column stride"
-            )
-        self._check_f32(cos_sin)
-        if positions.dtype != torch.int64 or not positions.is_contiguous():
-            raise ValueError("rope_neox_ needs contiguous int64 positions")
-        if cos_sin.shape[1] != head_dim or positions.shape != (rows,):
-            raise ValueError("rope_neox_: shape mismatch")
+        if validate:
+            if (
+                qk.dtype != torch.float32
+                or qk.device.type != "cpu"
+                or qk.dim() != 2
+                or qk.stride(1) != 1
+                or qk.shape[1] < heads * head_dim
+            ):
+                raise ValueError(
+                    "rope_neox_ needs a float32 CPU [rows, cols] tensor, unit column stride"
+                )
+            self._check_f32(cos_sin)
+            if positions.dtype != torch.int64 or not positions.is_contiguous():
+                raise ValueError("rope_neox_ needs contiguous int64 positions")
+            if cos_sin.shape[1] != head_dim or positions.shape != (rows,):
+                raise ValueError("rope_neox_: shape mismatch")
         if (
             check_positions
             and rows
@@ -295,9 +302,10 @@ class CpuKernels:
             torch.get_num_threads(),
         )
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * inter]`` (gate first)."""
-        self._check_f32(gate_up)
+        if validate:
+            self._check_f32(gate_up)
         rows, two = gate_up.shape
         out = torch.empty(rows, two // 2, dtype=gate_up.dtype)
         self._silu(gate_up.data_ptr(), out.data_ptr(), rows, two // 2, torch.get_num_threads())

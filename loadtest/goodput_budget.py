@@ -40,7 +40,7 @@ import httpx
 
 from loadtest.compare import ours_spec, running
 from loadtest.metrics import percentile
-from loadtest.report import git_info, machine_info
+from loadtest.report import bench_record, write_json
 from loadtest.runner import gamma_intervals
 from loadtest.workloads import default_gguf, load_questions
 
@@ -226,18 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         results[name] = summary
         print(f"{name}: {json.dumps(summary)}", flush=True)
-    record = {
-        "benchmark": "goodput_budget",
-        "args": {k: v for k, v in vars(a).items() if k not in {"output", "log_dir"}},
-        "load": [asdict(x) for x in load],
-        "results": results,
-        "git": git_info(),
-        "machine": machine_info(),
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    record = bench_record(
+        "goodput_budget", a, {"output", "log_dir"}, load=[asdict(x) for x in load], results=results
+    )
     if a.output:
-        a.output.parent.mkdir(parents=True, exist_ok=True)
-        a.output.write_text(json.dumps(record, indent=2, default=str))
+        write_json(a.output, record)
     return 0
 
 

@@ -29,7 +29,7 @@ import httpx
 
 from loadtest.compare import ours_spec, running
 from loadtest.metrics import percentile
-from loadtest.report import git_info, machine_info
+from loadtest.report import bench_record, write_json
 from loadtest.workloads import default_gguf, load_questions, load_system_prompt
 
 # (name, extra server flags). Without chunking the budget must hold the whole
@@ -188,17 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         res["server_flags"] = list(flags)
         results[name] = res
         print(f"{name}: {json.dumps(res)}", flush=True)
-    record = {
-        "benchmark": "itl_long_prompt",
-        "args": {k: v for k, v in vars(a).items() if k not in {"config", "output", "log_dir"}},
-        "results": results,
-        "git": git_info(),
-        "machine": machine_info(),
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    record = bench_record("itl_long_prompt", a, {"config", "output", "log_dir"}, results=results)
     if a.output:
-        a.output.parent.mkdir(parents=True, exist_ok=True)
-        a.output.write_text(json.dumps(record, indent=2, default=str))
+        write_json(a.output, record)
     return 0
 
 

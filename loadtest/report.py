@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import platform
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +85,25 @@ def _clean(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [_clean(v) for v in x]
     return x
+
+
+def bench_record(
+    benchmark: str, args: argparse.Namespace, exclude: set[str], **fields: Any
+) -> dict[str, Any]:
+    """The JSON record of a one-off benchmark script: its name, arguments (minus
+    ``exclude``), ``fields``, git state, machine and time."""
+    return {
+        "benchmark": benchmark,
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in exclude
+        },
+        **fields,
+        "git": git_info(),
+        "machine": machine_info(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def write_json(path: Path, record: dict[str, Any]) -> Path:

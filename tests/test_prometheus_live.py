@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from tests.live_server import free_port, live_server
 
 pytestmark = pytest.mark.slow
 
@@ -50,12 +48,6 @@ class Target:
     model_name: str
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -71,40 +63,10 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
 @pytest.fixture
 def real_server(tmp_path: Path) -> Iterator[Target]:
     """The real Fuel Serve on the default model, one sequence at a time, queue of one."""
-    port = free_port()
-    log = (tmp_path / "server.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--max-num-seqs",
-            "1",
-            "--max-waiting-requests",
-            "1",
-        ],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: httpx.get(f"{base}/health").status_code == 200, 300, "fuel-serve")
+    flags = ["--host", "127.0.0.1", "--max-num-seqs", "1", "--max-waiting-requests", "1"]
+    with live_server(flags, tmp_path / "server.log", ready_timeout_s=300) as (_proc, base):
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         yield Target(base, model)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture

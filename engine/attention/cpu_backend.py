@@ -22,7 +22,6 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
     def __init__(self, kernels: CpuKernels) -> None:
         super().__init__()
         self.kernels = kernels
-        self._validated: AttentionMetadata | None = None
 
     def _decode(
         self,
@@ -38,8 +37,8 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         nd = q.shape[0]
         # Bounds of seq_lens are checked on the step's first layer only: every
         # layer of a step sees the same metadata (a host sync per layer is not free).
-        first = self._validated is not meta
-        self._validated = meta
+        first = not plan.lengths_checked
+        plan.lengths_checked = True
         return self.kernels.paged_decode_attention(
             q.contiguous(),
             k_cache,

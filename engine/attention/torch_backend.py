@@ -59,6 +59,7 @@ class _StepPlan:
     flat_blocks: torch.Tensor | None = None
     nblk: int = 0
     mask: torch.Tensor | None = None
+    lengths_checked: bool = False  # native kernel: seq_lens bounds checked this step
 
 
 class TorchAttentionBackend(AttentionBackend):

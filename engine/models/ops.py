@@ -45,6 +45,8 @@ class RopeInputs:
     dtype: torch.dtype
     cos: torch.Tensor | None = field(default=None)
     sin: torch.Tensor | None = field(default=None)
+    # Native path: positions bounds-checked once per forward, not once per layer.
+    positions_checked: bool = False
 
     def cos_sin_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cos is None or self.sin is None:
@@ -102,9 +104,6 @@ class NativeCpuModelOps(TorchModelOps):
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels
-        # Positions are bounds-checked once per forward, not once per layer:
-        # every layer gets the same RopeInputs object.
-        self._checked: RopeInputs | None = None
 
     @staticmethod
     def _native(*ts: torch.Tensor) -> bool:
@@ -117,11 +116,20 @@ class NativeCpuModelOps(TorchModelOps):
             x.dim() == 2
             and self._native(x, weight)
             and x.is_contiguous()
-            and (residual is None or (self._native(residual) and residual.is_contiguous()))
+            and weight.is_contiguous()
+            and weight.shape == (x.shape[1],)
+            and (
+                residual is None
+                or (
+                    self._native(residual)
+                    and residual.is_contiguous()
+                    and residual.shape == x.shape
+                )
+            )
         )
         if not ok:
             return super().add_rms_norm(x, weight, eps, residual)
-        out = self.kernels.add_rms_norm(x, weight, eps, residual)
+        out = self.kernels.add_rms_norm(x, weight, eps, residual, validate=False)
         return out, (x if residual is None else residual)
 
     def rope(
@@ -138,20 +146,27 @@ class NativeCpuModelOps(TorchModelOps):
             and k.stride() == (q.stride(0), d, 1)
             and k.data_ptr() == q.data_ptr() + hq * d * q.element_size()
             and inputs.cos_sin.is_contiguous()
+            and inputs.cos_sin.shape[1] == d
+            and inputs.positions.dtype == torch.int64
+            and inputs.positions.is_contiguous()
+            and inputs.positions.shape == (t,)
         )
         if not adjacent:
             return super().rope(q, k, inputs)
         qk = q.as_strided((t, (hq + hkv) * d), (q.stride(0), 1))
-        if self._checked is not inputs:
-            self._checked = inputs
-            self.kernels.rope_neox_(qk, hq + hkv, d, inputs.positions, inputs.cos_sin)
-        else:
-            self.kernels.rope_neox_(
-                qk, hq + hkv, d, inputs.positions, inputs.cos_sin, check_positions=False
-            )
+        self.kernels.rope_neox_(
+            qk,
+            hq + hkv,
+            d,
+            inputs.positions,
+            inputs.cos_sin,
+            check_positions=not inputs.positions_checked,
+            validate=False,  # eligibility checked just above
+        )
+        inputs.positions_checked = True
         return q, k
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dim() != 2 or not self._native(gate_up) or not gate_up.is_contiguous():
             return super().silu_mul(gate_up)
-        return self.kernels.silu_mul(gate_up)
+        return self.kernels.silu_mul(gate_up, validate=False)
