@@ -37,7 +37,9 @@ class EngineConfig:
     # CPU fp32 matmuls: "onednn" prepacks weights for oneDNN (2x less CPU per
     # decode step at batch 16-32 on AVX2 machines, see engine/cpu_linear.py);
     # "auto" does so on the CPU when oneDNN packing is available; "int8" quantizes
-    # weights and activations to int8 (fbgemm): 5-10x faster matmuls, approximate.
+    # weights and activations to int8 (fbgemm): 5-10x faster matmuls, approximate;
+    # "q4_1" keeps llama.cpp Q4_1 blocks (Q8_0 logits) for native decode kernels
+    # on batches of up to 4 rows and int8 above (BlockQuantLinear).
     cpu_linear: str = "auto"
     debug_invariants: bool = False
     max_logprobs: int = 20

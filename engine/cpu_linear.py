@@ -1,4 +1,4 @@
-"""oneDNN-prepacked linears for the CPU path.
+"""CPU linears: oneDNN-prepacked fp32, dynamic int8 (fbgemm), block-quantized (native).
 
 On this project's CPUs (AVX2, no AVX-512) torch's default fp32 GEMM (MKL) is
 slow for the small row counts of decode steps; oneDNN with a weight prepacked
@@ -10,9 +10,15 @@ per call. Measured by ``loadtest/cpu_step_bench.py`` (docs/benchmarks/cpu.md).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from kernels.cpu_native import CpuKernels
+    from kernels.quant_linear import QuantWeight
 
 
 def onednn_packing_available() -> bool:
@@ -89,4 +95,61 @@ def quantize_linears(model: nn.Module) -> int:
             count += 1
         else:
             count += quantize_linears(child)
+    return count
+
+
+class BlockQuantLinear(nn.Module):
+    """Block-quantized weight (Q4_1 or Q8_0, kernels/quant_linear.py) on the CPU.
+
+    Batches of up to ``max_native_rows`` rows (decode steps of a few
+    sequences) run the native integer-dot kernel (kernels/csrc/cpu_quant.c),
+    which reads 0.625 bytes per Q4_1 weight and is ~2x faster than fbgemm int8
+    at one row; larger batches (prefill chunks, wide decode steps) go to an
+    Int8DynamicLinear of the same weight, which fbgemm's GEMM makes faster
+    there (``loadtest/quant_linear_bench.py``). Both approximate the float
+    weight, so a sequence's logits can differ slightly with its batch's size.
+
+    The float weight handed in is not kept. For a Q4_1 GGUF, whose weights
+    were dequantized on load, quantizing again reproduces the file's blocks
+    exactly (tests/test_kernels.py checks it).
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: CpuKernels,
+        qtype: int,
+        max_native_rows: int = 4,
+    ) -> None:
+        super().__init__()
+        from kernels.quant_linear import Q4_1, quantize_q4_1, quantize_q8_0
+
+        w = weight.detach().float()
+        self.qweight: QuantWeight = quantize_q4_1(w) if qtype == Q4_1 else quantize_q8_0(w)
+        self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+        self.large = Int8DynamicLinear(w, bias)
+        self.kernels = kernels
+        self.max_native_rows = max_native_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dim() == 2
+            and x.shape[0] <= self.max_native_rows
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+        ):
+            return self.kernels.quant_linear(x, self.qweight, self.bias_f32, validate=False)
+        return self.large(x)
+
+
+def quantize_linears_blockwise(model: nn.Module, kernels: CpuKernels, qtype: int) -> int:
+    """Replace every ``nn.Linear`` under ``model`` by a BlockQuantLinear; returns the count."""
+    count = 0
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, BlockQuantLinear(child.weight, child.bias, kernels, qtype))
+            count += 1
+        else:
+            count += quantize_linears_blockwise(child, kernels, qtype)
     return count

@@ -104,10 +104,13 @@ class LLMEngine:
         backend = get_attention_backend(config.attention_backend, device)
         # Any: the model class comes from the registry (LlamaForCausalLM-like).
         model: Any = load_model(path, mc, backend, dtype, device)
-        if config.cpu_linear == "int8":
-            if device.type != "cpu":
-                raise ValueError("--cpu-linear int8 is for the CPU only")
-            model.quantize_int8_for_cpu()
+        if config.cpu_linear in ("int8", "q4_1"):
+            if device.type != "cpu" or dtype != torch.float32:
+                raise ValueError(f"--cpu-linear {config.cpu_linear} is for the CPU in float32")
+            if config.cpu_linear == "int8":
+                model.quantize_int8_for_cpu()
+            else:
+                model.quantize_q4_1_for_cpu(self._native_kernels(backend))
         elif self._use_onednn(device, dtype):
             model.pack_for_cpu()
         if isinstance(backend, CpuNativeAttentionBackend) and dtype == torch.float32:
@@ -143,12 +146,26 @@ class LLMEngine:
             self.traces = TraceStore(config.max_traces)
             self.tracer = TraceRecorder(self.traces, log_prompts=config.log_prompts)
 
+    @staticmethod
+    def _native_kernels(backend: Any) -> Any:
+        """The native CPU kernels: the attention backend's, or built now."""
+        if isinstance(backend, CpuNativeAttentionBackend):
+            return backend.kernels
+        from kernels.cpu_native import CpuKernels, NativeBuildError
+
+        try:
+            return CpuKernels.load()
+        except NativeBuildError as e:
+            raise ValueError(f"--cpu-linear q4_1 needs the native CPU kernels: {e}") from e
+
     def _use_onednn(self, device: torch.device, dtype: torch.dtype) -> bool:
         from engine.cpu_linear import onednn_packing_available
 
         choice = self.config.cpu_linear
-        if choice not in ("auto", "torch", "onednn", "int8"):
-            raise ValueError(f"unknown --cpu-linear {choice!r}; choose auto, torch, onednn or int8")
+        if choice not in ("auto", "torch", "onednn", "int8", "q4_1"):
+            raise ValueError(
+                f"unknown --cpu-linear {choice!r}; choose auto, torch, onednn, int8 or q4_1"
+            )
         usable = device.type == "cpu" and dtype == torch.float32 and onednn_packing_available()
         if choice == "onednn" and not usable:
             raise ValueError(

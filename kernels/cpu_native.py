@@ -34,11 +34,14 @@ from pathlib import Path
 
 import torch
 
+from kernels.quant_linear import Q4_1, QuantWeight
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / "cpu_attention.c",
     Path(__file__).parent / "csrc" / "cpu_ops.c",
+    Path(__file__).parent / "csrc" / "cpu_quant.c",
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -114,6 +117,11 @@ class CpuKernels:
         fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._decode = fn
+        fused = self._lib.fuel_paged_decode_store_attention_f32
+        fused.argtypes = [p, i64, i64, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64]
+        fused.argtypes += [ctypes.c_float, ctypes.c_int]
+        fused.restype = ctypes.c_int
+        self._decode_store = fused
         f32 = ctypes.c_float
         norm = self._lib.fuel_add_rms_norm_f32
         norm.argtypes = [p, p, p, p, i64, i64, f32, ctypes.c_int]
@@ -127,6 +135,10 @@ class CpuKernels:
         silu.argtypes = [p, p, i64, i64, ctypes.c_int]
         silu.restype = None
         self._silu = silu
+        ql = self._lib.fuel_quant_linear_f32
+        ql.argtypes = [p, i64, i64, p, p, p, ctypes.c_int, i64, p, p, ctypes.c_int]
+        ql.restype = ctypes.c_int
+        self._quant_linear = ql
 
     @classmethod
     def load(cls, cache_dir: Path | None = None) -> CpuKernels:
@@ -207,6 +219,96 @@ class CpuKernels:
         if rc != 0:
             raise MemoryError("paged_decode_attention: scratch allocation failed")
         return res
+
+    def paged_decode_store_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        *,
+        validate: bool = True,
+    ) -> torch.Tensor:
+        """Store each decode token's key/value in its slot, then attend: a whole
+        decode-only step's attention for one layer in one call.
+
+        ``q`` ``[nd, Hq, D]``, ``k``/``v`` ``[nd, Hkv, D]``: float32 views into one
+        buffer whose rows share a stride (a fused qkv projection's output), each
+        head contiguous. ``slot_mapping`` int64 ``[nd]`` (``-1``: not stored, a
+        padding row), each below ``num_blocks * block_size``. The rest as in
+        :meth:`paged_decode_attention`. ``validate`` checks layouts and the
+        bounds of slots and lengths (host reductions): a caller may check once
+        per step and pass ``False`` for the step's other layers. Returns
+        ``[nd, Hq, D]`` contiguous.
+        """
+        nd, hq, d = q.shape
+        nb, bs, hkv, dk = k_cache.shape
+        base, item = q.data_ptr(), q.element_size()
+        k_off, v_off = (k.data_ptr() - base) // item, (v.data_ptr() - base) // item
+        row_stride = q.stride(0) if nd > 1 else 0
+        if validate:
+            ok = (
+                q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+                and all(t.device.type == "cpu" for t in (q, k, v, k_cache, v_cache))
+                and tuple(k.shape) == tuple(v.shape) == (nd, hkv, d)
+                and dk == d
+                and tuple(v_cache.shape) == (nb, bs, hkv, dk)
+                and hkv > 0
+                and hq % hkv == 0
+                and q.stride()[1:] == (d, 1)
+                and k.stride()[1:] == v.stride()[1:] == (d, 1)
+                and (nd <= 1 or k.stride(0) == v.stride(0) == q.stride(0))
+                and k_cache.is_contiguous()
+                and v_cache.is_contiguous()
+                and slot_mapping.dtype == torch.int64
+                and tuple(slot_mapping.shape) == (nd,)
+                and slot_mapping.is_contiguous()
+                and block_tables.dtype == seq_lens.dtype == torch.int32
+                and block_tables.dim() == 2
+                and block_tables.shape[0] >= nd
+                and block_tables.is_contiguous()
+                and seq_lens.is_contiguous()
+                and seq_lens.shape[0] >= nd
+            )
+            if not ok:
+                raise ValueError("paged_decode_store_attention: bad layout, dtype or shape")
+            if nd and (
+                int(slot_mapping.max()) >= nb * bs
+                or int(seq_lens[:nd].min()) < 1
+                or int(seq_lens[:nd].max()) > block_tables.shape[1] * bs
+            ):
+                raise ValueError("paged_decode_store_attention: slot or length out of range")
+        out = torch.empty(nd, hq, d, dtype=torch.float32)
+        if nd == 0:
+            return out
+        rc = self._decode_store(
+            base,
+            row_stride,
+            k_off,
+            v_off,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slot_mapping.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            nd,
+            hq,
+            hkv,
+            d,
+            bs,
+            scale,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("paged_decode_store_attention: scratch allocation failed")
+        return out
 
     # ---- fused small ops (kernels/csrc/cpu_ops.c) ------------------------------
     # Contracts: float32, C-contiguous CPU tensors (checked); the torch
@@ -309,4 +411,43 @@ class CpuKernels:
         rows, two = gate_up.shape
         out = torch.empty(rows, two // 2, dtype=gate_up.dtype)
         self._silu(gate_up.data_ptr(), out.data_ptr(), rows, two // 2, torch.get_num_threads())
+        return out
+
+    # ---- block-quantized linear (kernels/csrc/cpu_quant.c) ---------------------
+
+    def quant_linear(
+        self,
+        x: torch.Tensor,
+        weight: QuantWeight,
+        bias: torch.Tensor | None = None,
+        *,
+        validate: bool = True,
+    ) -> torch.Tensor:
+        """``x @ W.T + bias`` for ``x`` ``[M, K]`` float32 (contiguous CPU) and a
+        block-quantized ``W``; reference :func:`kernels.quant_linear.quant_linear_ref`.
+        ``validate=False`` is for a caller that has checked the contract itself."""
+        rows, k = x.shape
+        n = weight.out_features
+        if validate:
+            self._check_f32(x, *(() if bias is None else (bias,)))
+            if k != weight.in_features or (bias is not None and bias.shape != (n,)):
+                raise ValueError("quant_linear: shape mismatch")
+        out = torch.empty(rows, n, dtype=torch.float32)
+        if rows == 0:
+            return out
+        rc = self._quant_linear(
+            x.data_ptr(),
+            rows,
+            k,
+            weight.qs.data_ptr(),
+            weight.d.data_ptr(),
+            None if weight.m is None else weight.m.data_ptr(),
+            Q4_1 if weight.qtype == Q4_1 else 0,
+            n,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("quant_linear: scratch allocation failed")
         return out

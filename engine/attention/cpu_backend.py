@@ -23,6 +23,47 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         super().__init__()
         self.kernels = kernels
 
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # Decode-only steps (every sequence has one new token) store and attend
+        # in one native call per layer, reading q/k/v in place: the generic
+        # path's per-layer cache writes, copies and checks cost more than the
+        # attention itself for a few short sequences.
+        nd = q.shape[0]
+        if (
+            meta.num_decodes == meta.num_seqs
+            and q.dtype == k.dtype == v.dtype == k_cache.dtype == torch.float32
+            and q.device.type == "cpu"
+            and q.stride()[1:] == k.stride()[1:] == v.stride()[1:] == (q.shape[2], 1)
+            and (nd <= 1 or q.stride(0) == k.stride(0) == v.stride(0))
+        ):
+            plan = self._step_plan(meta, k_cache.shape[1])
+            # Layout and bounds are the same for every layer of a step: checked
+            # on its first layer only (host reductions are not free).
+            first = not plan.lengths_checked
+            plan.lengths_checked = True
+            return self.kernels.paged_decode_store_attention(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                validate=first,
+            )
+        return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+
     def _decode(
         self,
         q: torch.Tensor,

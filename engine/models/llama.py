@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -284,6 +285,20 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         self.logits_linear = Int8DynamicLinear(weight, None)
         self.lm_head = None if self.lm_head is None else self.lm_head
+        return n + 1
+
+    def quantize_q4_1_for_cpu(self, kernels: Any) -> int:
+        """Q4_1 linears and a Q8_0 logits projection (native kernels, small
+        batches; int8 above): see ``BlockQuantLinear`` in engine/cpu_linear.py.
+        ``kernels`` is a loaded ``kernels.cpu_native.CpuKernels``."""
+        from engine.cpu_linear import BlockQuantLinear, quantize_linears_blockwise
+        from kernels.quant_linear import Q4_1, Q8_0
+
+        n = quantize_linears_blockwise(self.model, kernels, Q4_1)
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        # Q8_0 for the logits, as llama.cpp's quantizations keep the (tied)
+        # embedding at 8 bits: 4-bit logits cost more accuracy than they save.
+        self.logits_linear = BlockQuantLinear(weight, None, kernels, Q8_0)
         return n + 1
 
     def pack_for_cpu(self, min_rows: int = 8) -> int:

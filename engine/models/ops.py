@@ -139,11 +139,15 @@ class NativeCpuModelOps(TorchModelOps):
         hkv = k.shape[1]
         # In place only when k directly follows q in each row of one buffer (a
         # fused qkv projection's output viewed without copies).
+        # A size-1 leading dim's stride is arbitrary in a view (torch does not
+        # normalise it), so row strides are compared only when there are rows
+        # to step over: one-sequence decode steps must take the native path too.
         adjacent = (
             self._native(q, k, inputs.cos_sin)
             and t > 0
-            and q.stride() == (q.stride(0), d, 1)
-            and k.stride() == (q.stride(0), d, 1)
+            and q.stride()[1:] == (d, 1)
+            and k.stride()[1:] == (d, 1)
+            and (t == 1 or k.stride(0) == q.stride(0))
             and k.data_ptr() == q.data_ptr() + hq * d * q.element_size()
             and inputs.cos_sin.is_contiguous()
             and inputs.cos_sin.shape[1] == d

@@ -151,3 +151,47 @@ int fuel_paged_decode_attention_f32(
     }
     return failed ? -1 : 0;
 }
+
+/* The whole attention of a decode-only step in one call: for each sequence i,
+ * store its new key/value row into cache slot slots[i] (skipped when < 0, a
+ * padding row), then attend as fuel_paged_decode_attention_f32 does. q, k and
+ * v are read in place from one fused projection output: row i of q starts at
+ * qkv + i * row_stride, its k at + k_off, its v at + v_off (floats). Each
+ * sequence writes only its own slot before reading its own blocks, so items
+ * stay independent. out: [nd, hq, d] contiguous. */
+int fuel_paged_decode_store_attention_f32(
+    const float *qkv, int64_t row_stride, int64_t k_off, int64_t v_off, float *k_cache,
+    float *v_cache, const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
+    const int32_t *seq_lens, float *out, int64_t nd, int64_t hq, int64_t hkv, int64_t d,
+    int64_t bs, float scale, int num_threads)
+{
+    const int64_t g = hq / hkv;
+    const int64_t tok_stride = hkv * d;
+    const int64_t blk_stride = bs * tok_stride;
+    const int nt = nd < num_threads ? (int)nd : num_threads;
+    int failed = 0;
+
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *scores = NULL;
+        int64_t cap = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < nd; ++i) {
+            const float *row = qkv + i * row_stride;
+            if (slots[i] >= 0) {
+                memcpy(k_cache + slots[i] * tok_stride, row + k_off,
+                       (size_t)tok_stride * sizeof(float));
+                memcpy(v_cache + slots[i] * tok_stride, row + v_off,
+                       (size_t)tok_stride * sizeof(float));
+            }
+            if (decode_item(row, k_cache, v_cache, block_tables + i * bt_stride, seq_lens[i],
+                            out + i * hq * d, hq, 0, hkv, g, d, bs, tok_stride, blk_stride, scale,
+                            &scores, &cap) != 0) {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
