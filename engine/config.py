@@ -23,6 +23,9 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: int = 1 << 30
+    # KV cache element type: "auto" = the model's dtype; "float16" halves the
+    # cache's bytes (and, on the CPU, the bytes each decode step reads).
+    kv_cache_dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int = 64
@@ -39,7 +42,7 @@ class EngineConfig:
     # "auto" does so on the CPU when oneDNN packing is available; "int8" quantizes
     # weights and activations to int8 (fbgemm): 5-10x faster matmuls, approximate;
     # "q4_1" keeps llama.cpp Q4_1 blocks (Q8_0 logits) for native decode kernels
-    # on batches of up to 4 rows and int8 above (BlockQuantLinear).
+    # on batches of up to 8 rows and fp16 weights above (BlockQuantLinear).
     cpu_linear: str = "auto"
     debug_invariants: bool = False
     max_logprobs: int = 20

@@ -117,7 +117,15 @@ class LLMEngine:
             # The native CPU backend also brings fused norm/RoPE/SiLU ops (same library).
             model.set_ops(NativeCpuModelOps(backend.kernels))
         self.model = model
-        num_blocks = self._num_blocks(device, dtype, max_len)
+        kv_dtype = (
+            dtype
+            if config.kv_cache_dtype == "auto"
+            else resolve_dtype(config.kv_cache_dtype, device)
+        )
+        if kv_dtype != dtype and device.type != "cpu":
+            # The Triton kernels are written for a cache in the model's dtype.
+            raise ValueError("--kv-cache-dtype other than the model's dtype is CPU-only")
+        num_blocks = self._num_blocks(device, kv_dtype, max_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_len, clock=clock)
         self.runner = ModelRunner(
@@ -128,7 +136,7 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             device,
-            dtype,
+            kv_dtype,
         )
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(max_len)

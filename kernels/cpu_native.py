@@ -43,6 +43,8 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / "cpu_ops.c",
     Path(__file__).parent / "csrc" / "cpu_quant.c",
 ]
+# KV cache element types the attention kernels read (float16: converted as read).
+_CACHE_DTYPES = (torch.float32, torch.float16)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
@@ -66,8 +68,9 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(cache_dir: Path) -> Path:
+def _build(cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     cc = shutil.which("cc") or shutil.which("gcc")
+    flags = [*_FLAGS, *extra_flags]
     if cc is None:
         raise NativeBuildError("no C compiler (cc/gcc) on PATH")
     source = b"\0".join(src.read_bytes() for src in _SOURCES)
@@ -78,7 +81,7 @@ def _build(cache_dir: Path) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeBuildError(f"{cc} --version failed: {e}") from e
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()])
+        b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_flags().encode()])
     ).hexdigest()[:24]
     lib = cache_dir / f"fuel_cpu_kernels-{key}.so"
     if lib.exists():
@@ -88,7 +91,7 @@ def _build(cache_dir: Path) -> Path:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *_FLAGS, *(str(src) for src in _SOURCES), "-o", tmp, "-lm"],
+            [cc, *flags, *(str(src) for src in _SOURCES), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -115,11 +118,12 @@ class CpuKernels:
         fn = self._lib.fuel_paged_decode_attention_f32
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.argtypes += [ctypes.c_int]  # kv_half
         fn.restype = ctypes.c_int
         self._decode = fn
         fused = self._lib.fuel_paged_decode_store_attention_f32
         fused.argtypes = [p, i64, i64, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64]
-        fused.argtypes += [ctypes.c_float, ctypes.c_int]
+        fused.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         fused.restype = ctypes.c_int
         self._decode_store = fused
         f32 = ctypes.c_float
@@ -141,13 +145,16 @@ class CpuKernels:
         self._quant_linear = ql
 
     @classmethod
-    def load(cls, cache_dir: Path | None = None) -> CpuKernels:
+    def load(cls, cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> CpuKernels:
         """Build (once per machine and source) and load the library.
+
+        ``extra_flags`` go to the compiler after the defaults (tests build a
+        ``-mno-avx2`` variant to exercise the portable code paths).
 
         Raises:
             NativeBuildError: no compiler, a failed build, or a failed load.
         """
-        return cls(_build(cache_dir if cache_dir is not None else default_cache_dir()))
+        return cls(_build(cache_dir if cache_dir is not None else default_cache_dir(), extra_flags))
 
     def paged_decode_attention(
         self,
@@ -166,7 +173,8 @@ class CpuKernels:
 
         Same contract as :func:`kernels.paged_attention.paged_attention_ref` with
         every query length 1 (its keys/values already stored): ``q`` ``[nd, Hq, D]``
-        float32; caches ``[num_blocks, block_size, Hkv, D]`` float32; ``block_tables``
+        float32; caches ``[num_blocks, block_size, Hkv, D]`` float32 or float16
+        (read as float32); ``block_tables``
         int32 ``[nd, >= ceil(max(seq_lens) / block_size)]``; ``seq_lens`` int32 ``[nd]``,
         each at least 1. Tensors must be contiguous CPU tensors (the kernel reads
         raw pointers); anything else raises ValueError rather than reading wrong memory.
@@ -176,7 +184,10 @@ class CpuKernels:
         nd, hq, d = q.shape
         nb, bs, hkv, dk = k_cache.shape
         checks = [
-            (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32, "float32 q and caches"),
+            (
+                q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype in _CACHE_DTYPES,
+                "float32 q and float32/float16 caches",
+            ),
             (block_tables.dtype == seq_lens.dtype == torch.int32, "int32 tables and lengths"),
             (all(t.device.type == "cpu" for t in (q, k_cache, v_cache)), "CPU tensors"),
             (tuple(v_cache.shape) == (nb, bs, hkv, dk) and dk == d, "matching cache shapes"),
@@ -215,6 +226,7 @@ class CpuKernels:
             bs,
             scale,
             num_threads if num_threads is not None else torch.get_num_threads(),
+            int(k_cache.dtype == torch.float16),
         )
         if rc != 0:
             raise MemoryError("paged_decode_attention: scratch allocation failed")
@@ -240,7 +252,8 @@ class CpuKernels:
         ``q`` ``[nd, Hq, D]``, ``k``/``v`` ``[nd, Hkv, D]``: float32 views into one
         buffer whose rows share a stride (a fused qkv projection's output), each
         head contiguous. ``slot_mapping`` int64 ``[nd]`` (``-1``: not stored, a
-        padding row), each below ``num_blocks * block_size``. The rest as in
+        padding row), each below ``num_blocks * block_size``; a float16 cache
+        stores them rounded to float16. The rest as in
         :meth:`paged_decode_attention`. ``validate`` checks layouts and the
         bounds of slots and lengths (host reductions): a caller may check once
         per step and pass ``False`` for the step's other layers. Returns
@@ -253,7 +266,8 @@ class CpuKernels:
         row_stride = q.stride(0) if nd > 1 else 0
         if validate:
             ok = (
-                q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+                q.dtype == k.dtype == v.dtype == torch.float32
+                and k_cache.dtype == v_cache.dtype in _CACHE_DTYPES
                 and all(t.device.type == "cpu" for t in (q, k, v, k_cache, v_cache))
                 and tuple(k.shape) == tuple(v.shape) == (nd, hkv, d)
                 and dk == d
@@ -305,6 +319,7 @@ class CpuKernels:
             bs,
             scale,
             torch.get_num_threads(),
+            int(k_cache.dtype == torch.float16),
         )
         if rc != 0:
             raise MemoryError("paged_decode_store_attention: scratch allocation failed")

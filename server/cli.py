@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "float16", "bfloat16"],
         help="Weights/activations dtype.",
     )
+    e.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="KV cache element type (auto: the model's dtype). float16 halves the cache and, "
+        "on the CPU, the bytes each decode step reads; fp8 is not supported.",
+    )
     e.add_argument("--device", choices=["auto", "cpu", "cuda"], help="Device to run on.")
     e.add_argument("--seed", type=int, help="Global random seed.")
     e.add_argument("--max-model-len", type=int, help="Context window (default: the model's).")
@@ -116,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "torch", "onednn", "int8", "q4_1"],
         help="CPU matmuls: oneDNN-prepacked fp32 weights (auto: when available), plain torch, "
         "int8 (dynamic int8 quantization: much faster, approximate; opt-in), or q4_1 "
-        "(llama.cpp's Q4_1 blocks, Q8_0 logits, native kernels for decode steps of up to 4 "
-        "sequences, int8 above: fastest for few streams; a Q4_1 GGUF keeps its exact weights).",
+        "(llama.cpp's Q4_1 blocks, Q8_0 logits, native kernels for steps of up to 8 rows, fp16 "
+        "above: fastest for few streams, near-exact; a Q4_1 GGUF keeps its exact weights).",
     )
     _bool_flag(e, "--debug-invariants", "Check scheduler/KV invariants every step (slow).")
     e.add_argument("--max-logprobs", type=int, help="Largest logprobs/top_logprobs accepted.")

@@ -47,6 +47,15 @@ from kernels.paged_attention import (
     choose_num_kv_splits,
     paged_attention_ref,
 )
+from kernels.quant_linear import (
+    Q4_1,
+    Q8_0,
+    QuantWeight,
+    dequantize,
+    quant_linear_ref,
+    quantize_q4_1,
+    quantize_q8_0,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
@@ -556,6 +565,15 @@ def test_native_model_ops_match_torch_ops(cpu_kernels: CpuKernels) -> None:
     _assert_close(got_q, want_q, torch.float32)
     _assert_close(got_k, want_k, torch.float32)
     assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
+    # One row (a one-sequence decode step): a size-1 dim's view stride is
+    # arbitrary, which must not push it off the in-place native path.
+    qkv1 = qkv[:1].clone()
+    q1, k1 = qkv1[:, : hq * d].view(1, hq, d), qkv1[:, hq * d : (hq + hkv) * d].view(1, hkv, d)
+    want_q1, want_k1 = ref.rope(q1.clone(), k1.clone(), RopeInputs(pos[:1], cache, torch.float32))
+    got_q1, got_k1 = nat.rope(q1, k1, RopeInputs(pos[:1], cache, torch.float32))
+    assert got_q1.data_ptr() == qkv1.data_ptr() and got_k1.data_ptr() == k1.data_ptr()
+    _assert_close(got_q1, want_q1, torch.float32)
+    _assert_close(got_k1, want_k1, torch.float32)
     q2, k2 = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g)
     fq, fk = nat.rope(q2, k2, RopeInputs(pos, cache, torch.float32))  # not adjacent: fallback
     rq, rk = ref.rope(q2, k2, RopeInputs(pos, cache, torch.float32))
@@ -568,3 +586,257 @@ def test_native_model_ops_match_torch_ops(cpu_kernels: CpuKernels) -> None:
     assert torch.equal(
         nat.add_rms_norm(xb, wb, 1e-5, None)[0], ref.add_rms_norm(xb, wb, 1e-5, None)[0]
     )
+
+
+# ------------------------------------------------------------------ fused decode store + attention
+
+
+def _fused_qkv(b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's q/k/v copied into one [t, (hq + 2 hkv) d] buffer, as views."""
+    t, hq, d = b.q.shape
+    hkv = b.k.shape[1]
+    qkv = torch.cat([b.q.reshape(t, -1), b.k.reshape(t, -1), b.v.reshape(t, -1)], dim=1).cpu()
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    return qkv, q, k, v
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "num_heads", "num_kv_heads", "head_dim", "pad"),
+    [
+        ([1, 17, 8, 4, 33], 4, 2, 32, 0),
+        ([70], 9, 3, 64, 0),  # one sequence: a one-row view
+        ([300], 9, 3, 64, 0),  # fewer sequences than threads, long: split-K and merge
+        ([257], 4, 1, 32, 0),
+        ([40, 3, 16, 9, 1], 9, 3, 64, 3),  # padding rows (slot -1) after the decodes
+    ],
+)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_cpu_decode_store_attention_matches_ref(
+    cpu_kernels: CpuKernels,
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    pad: int,
+    cache_dtype: torch.dtype,
+) -> None:
+    n = len(seq_lens)
+    b = make_batch(
+        [1] * n,
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        pad_tokens=pad,
+        seed=n + pad,
+    )
+    if b.q.device.type != "cpu":
+        pytest.skip("the batch helper built device tensors")
+    _, q, k, v = _fused_qkv(b)
+    b = replace(b, k_cache=b.k_cache.to(cache_dtype), v_cache=b.v_cache.to(cache_dtype))
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    meta = b.meta
+    # Padding rows attend over block 0 with length 1 (as graph padding does).
+    bt = torch.cat(
+        [meta.block_tables, torch.zeros(pad, meta.block_tables.shape[1], dtype=torch.int32)]
+    )
+    sl = torch.cat([meta.seq_lens, torch.ones(pad, dtype=torch.int32)])
+    got = cpu_kernels.paged_decode_store_attention(
+        q, k, v, b.k_cache, b.v_cache, meta.slot_mapping, bt, sl, b.scale
+    )
+    # Reference: the torch store (skips slot -1; rounds to the cache dtype the
+    # way the kernel does), then the reference attention over the stored values.
+    from engine.attention.torch_backend import store_kv
+
+    keep = torch.nonzero(meta.slot_mapping >= 0).squeeze(1)
+    store_kv(b.k, b.v, kc, vc, meta.slot_mapping, keep if pad else None)
+    assert torch.equal(b.k_cache, kc) and torch.equal(b.v_cache, vc)
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    want = paged_attention_ref(
+        b.q[:n],
+        kc.float(),
+        vc.float(),
+        meta.block_tables,
+        meta.seq_lens,
+        qsl,
+        1,
+        max(seq_lens),
+        b.scale,
+        n,
+    )
+    _assert_close(got[:n], want, torch.float32)
+    # The plain decode kernel reads the same cache the same way.
+    plain = cpu_kernels.paged_decode_attention(
+        b.q[:n].contiguous(), b.k_cache, b.v_cache, meta.block_tables, meta.seq_lens, b.scale
+    )
+    _assert_close(plain, want, torch.float32)
+
+
+def test_cpu_decode_store_attention_rejects_bad_slots_and_layouts(cpu_kernels: CpuKernels) -> None:
+    b = make_batch([1, 1], [5, 9])
+    if b.q.device.type != "cpu":
+        pytest.skip("the batch helper built device tensors")
+    _, q, k, v = _fused_qkv(b)
+    m = b.meta
+    run = cpu_kernels.paged_decode_store_attention
+    bad_slot = torch.tensor([0, b.k_cache.shape[0] * b.k_cache.shape[1]], dtype=torch.int64)
+    with pytest.raises(ValueError, match="out of range"):
+        run(q, k, v, b.k_cache, b.v_cache, bad_slot, m.block_tables, m.seq_lens, 1.0)
+    with pytest.raises(ValueError, match="out of range"):
+        run(
+            q,
+            k,
+            v,
+            b.k_cache,
+            b.v_cache,
+            m.slot_mapping,
+            m.block_tables,
+            torch.tensor([0, 9], dtype=torch.int32),
+            1.0,
+        )
+    with pytest.raises(ValueError, match="layout"):  # k/v rows not strided like q's
+        run(
+            q, b.k.clone(), v, b.k_cache, b.v_cache, m.slot_mapping, m.block_tables, m.seq_lens, 1.0
+        )
+    with pytest.raises(ValueError, match="layout"):
+        run(q, k, v, b.k_cache.half(), b.v_cache, m.slot_mapping, m.block_tables, m.seq_lens, 1.0)
+
+
+def test_cpu_backend_decode_only_step_matches_torch_backend(cpu_kernels: CpuKernels) -> None:
+    """Decode-only steps take the fused path; separate q/k/v tensors take the generic one."""
+    seq_lens = [1, 17, 8, 30]
+    b = make_batch([1] * 4, seq_lens, num_heads=6, num_kv_heads=2, pad_tokens=2, seed=9)
+    if b.q.device.type != "cpu":
+        pytest.skip("the batch helper built device tensors")
+    # Padding rows are decodes of length 1 over block 0, as in a captured graph.
+    meta = replace(
+        b.meta,
+        block_tables=torch.cat(
+            [b.meta.block_tables, torch.zeros(2, b.meta.block_tables.shape[1], dtype=torch.int32)]
+        ),
+        seq_lens=torch.cat([b.meta.seq_lens, torch.ones(2, dtype=torch.int32)]),
+        query_start_loc=torch.arange(7, dtype=torch.int32),
+        num_decodes=6,
+        query_lens_cpu=[1] * 6,
+        seq_lens_cpu=[*seq_lens, 1, 1],
+        query_start_loc_cpu=list(range(7)),
+    )
+    _, q, k, v = _fused_qkv(b)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    backend = CpuNativeAttentionBackend(cpu_kernels)
+    got = backend.forward(q, k, v, b.k_cache, b.v_cache, meta, b.scale)
+    want = TorchAttentionBackend().forward(b.q, b.k, b.v, kc, vc, meta, b.scale)
+    assert torch.equal(b.k_cache, kc) and torch.equal(b.v_cache, vc)
+    _assert_close(got[:4], want[:4], torch.float32)
+    # Not one buffer (k rows strided unlike q's): the generic path, same answer.
+    kc2, vc2 = b.k_cache.clone(), b.v_cache.clone()
+    got2 = backend.forward(q, b.k.clone(), b.v.clone(), kc2, vc2, meta, b.scale)
+    _assert_close(got2[:4], want[:4], torch.float32)
+
+
+# ------------------------------------------------------------------ block-quantized linears
+
+
+@pytest.fixture(scope="module")
+def scalar_cpu_kernels(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    """The same library built without AVX2: the portable code paths."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT" or os.uname().machine != "x86_64":
+        pytest.skip("-mno-avx2 is an x86 flag")
+    try:
+        return CpuKernels.load(tmp_path_factory.mktemp("scalar"), extra_flags=("-mno-avx2",))
+    except NativeBuildError as e:
+        pytest.skip(f"native CPU kernels not buildable here: {e}")
+
+
+@pytest.mark.parametrize("quantize", [quantize_q8_0, quantize_q4_1])
+@pytest.mark.parametrize("k", [32, 96, 576])  # 96: an odd block count (Q4_1 pads a block)
+@pytest.mark.parametrize("portable", [False, True])
+def test_quant_linear_matches_ref(
+    request: pytest.FixtureRequest, quantize: Any, k: int, portable: bool
+) -> None:
+    kern: CpuKernels = request.getfixturevalue("scalar_cpu_kernels" if portable else "cpu_kernels")
+    g = torch.Generator().manual_seed(k)
+    for n in (1, 7, 200):
+        w = torch.randn(n, k, generator=g)
+        qw = quantize(w)
+        bias = torch.randn(n, generator=g)
+        # rows on both sides of the 4-row tile; 300 x 200 x 18 blocks crosses the
+        # kernel's threading threshold
+        for rows in (1, 3, 4, 5, 9, 300 if k == 576 else 2):
+            x = torch.randn(rows, k, generator=g) * 3
+            for b in (None, bias):
+                got = kern.quant_linear(x, qw, b)
+                want = quant_linear_ref(x, qw, b)
+                scale = float(want.abs().max()) + 1.0
+                torch.testing.assert_close(got, want, atol=2e-5 * scale, rtol=1e-5)
+        # and the blocks really stand for the weight (quantization error bounds)
+        err = (dequantize(qw) - w).abs()
+        blocks = w.reshape(n, -1, 32)
+        step = (
+            blocks.abs().amax(-1) / 127
+            if qw.qtype == Q8_0
+            else (blocks.amax(-1) - blocks.amin(-1)) / 15
+        )
+        # half a step, plus float16 rounding of the scale(s) times the largest code
+        slack = step * (0.5 + 16 * 2.0**-10) + blocks.abs().amax(-1) * 2.0**-10
+        assert bool((err.reshape(n, -1, 32) <= slack[..., None] + 1e-6).all())
+
+
+def test_quant_linear_rejects_mismatches(cpu_kernels: CpuKernels) -> None:
+    qw = quantize_q4_1(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="shape"):
+        cpu_kernels.quant_linear(torch.randn(2, 32), qw)
+    with pytest.raises(ValueError, match="shape"):
+        cpu_kernels.quant_linear(torch.randn(2, 64), qw, torch.zeros(7))
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.quant_linear(torch.randn(2, 64).double(), qw)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(torch.randn(4, 48))
+    assert cpu_kernels.quant_linear(torch.zeros(0, 64), qw).shape == (0, 8)
+
+
+def test_q4_1_gguf_weights_quantize_back_to_the_same_blocks(default_model_path: Any) -> None:
+    """Dequantized Q4_1 GGUF weights requantize to the file's blocks, bit for bit."""
+    import numpy as np
+
+    from engine.loader import _dequantize, read_gguf
+
+    g = read_gguf(default_model_path)
+    data = np.memmap(default_model_path, dtype=np.uint8, mode="r").view(np.ndarray)
+    for name in ("blk.0.attn_q.weight", "blk.11.ffn_down.weight", "blk.29.ffn_up.weight"):
+        info = g.tensors[name]
+        raw = np.ascontiguousarray(data[info.offset : info.offset + info.nbytes])
+        raw = raw.reshape(info.shape[0], -1, 20)  # Q4_1 block: f16 d, f16 m, 16 nibble bytes
+        qw = quantize_q4_1(_dequantize(g, data, info))
+        n, nb = raw.shape[:2]
+        assert torch.equal(
+            qw.d[:, :nb], torch.from_numpy(raw[:, :, 0:2].copy()).view(torch.int16)[..., 0]
+        )
+        assert qw.m is not None
+        assert torch.equal(
+            qw.m[:, :nb], torch.from_numpy(raw[:, :, 2:4].copy()).view(torch.int16)[..., 0]
+        )
+        nib = torch.from_numpy(raw[:, :, 4:].copy())
+        file_q = torch.cat([nib & 0x0F, nib >> 4], dim=-1)  # elements 0..15, then 16..31
+        ours_q = torch.stack([qw.qs & 0x0F, qw.qs >> 4], dim=2).reshape(n, -1, 32)[:, :nb]
+        assert torch.equal(ours_q, file_q)
+
+
+def test_block_quant_linear_routes_by_rows(cpu_kernels: CpuKernels) -> None:
+    from engine.cpu_linear import BlockQuantLinear
+
+    g = torch.Generator().manual_seed(1)
+    w, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    lin = BlockQuantLinear(w, bias, cpu_kernels, Q4_1, max_native_rows=4)  # default 8
+    assert isinstance(lin.qweight, QuantWeight) and lin.qweight.qtype == Q4_1
+    small, large = torch.randn(4, 64, generator=g), torch.randn(5, 64, generator=g)
+    assert torch.equal(lin(small), cpu_kernels.quant_linear(small, lin.qweight, lin.bias_f32))
+    assert torch.equal(lin(large), lin.large(large))
+    # Both stand for the Q4_1 blocks' weight: fp16 weights (large) nearly
+    # exactly; the native path with activations quantized to 8 bits.
+    exact = large @ dequantize(lin.qweight).T + bias
+    assert float((lin(large) - exact).abs().max()) < 2e-3 * float(exact.abs().max())
+    blocks = small @ dequantize(lin.qweight).T + bias
+    assert float((lin(small) - blocks).abs().max()) < 0.02 * float(blocks.abs().max())

@@ -4,7 +4,7 @@ Decode tokens (one per sequence) go to ``kernels.cpu_native``'s paged decode
 attention, which reads keys and values in place through the block tables
 instead of gathering each sequence's context per layer. Prefill/extend chunks
 keep the torch path (SDPA's blocked kernel is the right tool for many query
-rows), as do non-fp32 caches (the kernel is fp32 only).
+rows), as do bf16 caches (the kernels read fp32 and fp16 caches).
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, _StepPlan
 from kernels.cpu_native import CpuKernels
+
+# Caches the native kernels read (a float16 cache is converted as read: half
+# the bytes per decode step, which is what bounds long-context decode here).
+_CACHE_DTYPES = (torch.float32, torch.float16)
 
 
 class CpuNativeAttentionBackend(TorchAttentionBackend):
@@ -40,7 +44,8 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         nd = q.shape[0]
         if (
             meta.num_decodes == meta.num_seqs
-            and q.dtype == k.dtype == v.dtype == k_cache.dtype == torch.float32
+            and q.dtype == k.dtype == v.dtype == torch.float32
+            and k_cache.dtype in _CACHE_DTYPES
             and q.device.type == "cpu"
             and q.stride()[1:] == k.stride()[1:] == v.stride()[1:] == (q.shape[2], 1)
             and (nd <= 1 or q.stride(0) == k.stride(0) == v.stride(0))
@@ -73,7 +78,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         plan: _StepPlan,
         scale: float,
     ) -> torch.Tensor:
-        if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or q.device.type != "cpu":
+        if q.dtype != torch.float32 or k_cache.dtype not in _CACHE_DTYPES or q.device.type != "cpu":
             return super()._decode(q, k_cache, v_cache, meta, plan, scale)
         nd = q.shape[0]
         # Bounds of seq_lens are checked on the step's first layer only: every

@@ -143,8 +143,16 @@ class TorchAttentionBackend(AttentionBackend):
         # [nd * nblk, bs, Hkv, D] -> [nd, Hkv, S, D]
         kk = k_cache.index_select(0, plan.flat_blocks).view(nd, s, hkv, d).transpose(1, 2)
         vv = v_cache.index_select(0, plan.flat_blocks).view(nd, s, hkv, d).transpose(1, 2)
+        # The wider of the two dtypes: a float16 cache under a float32 model is
+        # read at float32 (storage precision only), not the query rounded down.
+        ct = torch.promote_types(q.dtype, kk.dtype)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2).to(kk.dtype), kk, vv, attn_mask=plan.mask, scale=scale, enable_gqa=True
+            q.unsqueeze(2).to(ct),
+            kk.to(ct),
+            vv.to(ct),
+            attn_mask=plan.mask,
+            scale=scale,
+            enable_gqa=True,
         )
         return o.squeeze(2).to(q.dtype)
 
@@ -182,7 +190,8 @@ class TorchAttentionBackend(AttentionBackend):
             qpos = torch.arange(ctx, seq_len, device=q.device)
             kpos = torch.arange(seq_len, device=q.device)
             mask = kpos[None, :] <= qpos[:, None]
+            ct = torch.promote_types(q.dtype, kt.dtype)
             o = F.scaled_dot_product_attention(
-                qt.to(kt.dtype), kt, vt, attn_mask=mask, scale=scale, enable_gqa=True
+                qt.to(ct), kt.to(ct), vt.to(ct), attn_mask=mask, scale=scale, enable_gqa=True
             ).to(q.dtype)
         return o.squeeze(0).transpose(0, 1)

@@ -289,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
 
     def quantize_q4_1_for_cpu(self, kernels: Any) -> int:
         """Q4_1 linears and a Q8_0 logits projection (native kernels, small
-        batches; int8 above): see ``BlockQuantLinear`` in engine/cpu_linear.py.
+        batches; fp16 above): see ``BlockQuantLinear`` in engine/cpu_linear.py.
         ``kernels`` is a loaded ``kernels.cpu_native.CpuKernels``."""
         from engine.cpu_linear import BlockQuantLinear, quantize_linears_blockwise
         from kernels.quant_linear import Q4_1, Q8_0

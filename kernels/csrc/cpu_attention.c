@@ -8,9 +8,10 @@
  * (grouped-query attention). Scores are kept in a per-thread scratch buffer,
  * so K and V are each read once.
  *
- * Layouts (C-contiguous, fp32):
+ * Layouts (C-contiguous; fp32 unless noted):
  *   q, out:           [nd, hq, d]
- *   k_cache, v_cache: [num_blocks, bs, hkv, d]
+ *   k_cache, v_cache: [num_blocks, bs, hkv, d], fp32 or (kv_half) IEEE fp16,
+ *                     converted to fp32 as read (F16C where the CPU has it)
  *   block_tables:     int32 [nd, bt_stride]; only the first ceil(len / bs)
  *                     entries of a row are read.
  *   seq_lens:         int32 [nd], each >= 1.
@@ -38,6 +39,43 @@ static inline float hsum8(v8f v)
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* mask ? a : b, lane by lane (mask lanes are all ones or all zeros). */
+static inline v8f select8(v8i mask, v8f a, v8f b)
+{
+    v8i ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    const v8i r = (ai & mask) | (bi & ~mask);
+    v8f out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* exp on 8 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite
+ * split of ln2, Cephes' degree-6 polynomial; a few ulp). Lanes below -87 give
+ * 0 (expf underflows there too), which also covers -inf. */
+static inline v8f exp8(v8f x)
+{
+    const v8f lo = (v8f){0} - 87.0f;
+    const v8i under = x < lo;
+    x = select8(under, lo, x);
+    /* round to nearest: adding and subtracting 1.5 * 2^23 (|x log2 e| < 2^22) */
+    const v8f fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const v8f r = (x - fn * 0.693359375f) + fn * 2.12194440e-4f;
+    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v8i bits = (__builtin_convertvector(fn, v8i) + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return select8(under, (v8f){0}, p * scale);
+}
+
 /* q . k over d floats. Two independent vector accumulators when d is a
  * multiple of 16 (head sizes 64/128/256), so FMA latency is not the bound. */
 static inline float dot(const float *a, const float *b, int64_t d)
@@ -55,74 +93,236 @@ static inline float dot(const float *a, const float *b, int64_t d)
     return acc;
 }
 
-/* One work item: sequence i, kv heads [h0, h1). Returns 0, or -1 when the
- * scratch buffer could not be grown. */
-static int decode_item(
-    const float *q, const float *k_cache, const float *v_cache, const int32_t *row,
-    int64_t n, float *out, int64_t hq, int64_t h0, int64_t h1, int64_t g, int64_t d,
-    int64_t bs, int64_t tok_stride, int64_t blk_stride, float scale, float **scores,
-    int64_t *cap)
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#define FUEL_F16C 1
+#endif
+
+static inline float h2f(uint16_t h)
 {
-    const int64_t nh = (h1 - h0) * g; /* query heads in this item */
-    const float *qh = q + h0 * g * d;
+#ifdef FUEL_F16C
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400u)) {
+                mant <<= 1;
+                --exp;
+            }
+            bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* float -> fp16, round to nearest even; overflow to inf, NaN kept NaN. */
+static inline uint16_t f2h(float f)
+{
+#ifdef FUEL_F16C
+    return (uint16_t)_cvtss_sh(f, 0);
+#else
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u);
+    if (ax >= 0x477ff000u) return sign | 0x7c00u; /* rounds past the largest half */
+    if (ax < 0x38800000u) {                         /* subnormal half (or zero) */
+        if (ax < 0x33000000u) return sign;          /* below half the smallest subnormal */
+        const uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126 - e; /* 14 + (113 - e) */
+        uint32_t r = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (r & 1u))) ++r;
+        return sign | (uint16_t)r;
+    }
+    uint32_t r = ax - 0x38000000u; /* rebias 127 -> 15 */
+    const uint32_t rem = r & 0x1fffu;
+    r >>= 13;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;
+    return sign | (uint16_t)r;
+#endif
+}
+
+static inline v8f load8h(const uint16_t *p)
+{
+#ifdef FUEL_F16C
+    v8f v;
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&v, &f, sizeof v);
+    return v;
+#else
+    v8f v;
+    for (int i = 0; i < 8; ++i) v[i] = h2f(p[i]);
+    return v;
+#endif
+}
+
+/* q . k with k in fp16 (see dot). */
+static inline float dot_h(const float *a, const uint16_t *b, int64_t d)
+{
+    if ((d & 15) == 0) {
+        v8f a0 = {0}, a1 = {0};
+        for (int64_t c = 0; c < d; c += 16) {
+            a0 += load8(a + c) * load8h(b + c);
+            a1 += load8(a + c + 8) * load8h(b + c + 8);
+        }
+        return hsum8(a0 + a1);
+    }
+    float acc = 0.0f;
+    for (int64_t c = 0; c < d; ++c) acc += a[c] * h2f(b[c]);
+    return acc;
+}
+
+/* o += p * v over d values. */
+static inline void axpy(float *o, float p, const float *v, int64_t d)
+{
+    for (int64_t c = 0; c < d; ++c) o[c] += p * v[c];
+}
+
+static inline void axpy_h(float *o, float p, const uint16_t *v, int64_t d)
+{
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) {
+        const v8f r = load8(o + c) + p * load8h(v + c);
+        memcpy(o + c, &r, sizeof r);
+    }
+    for (; c < d; ++c) o[c] += p * h2f(v[c]);
+}
+
+/* Store n floats as the cache's element type. */
+static inline void store_row(void *dst, const float *src, int64_t n, int half)
+{
+    if (!half) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *h = (uint16_t *)dst;
+    int64_t c = 0;
+#ifdef FUEL_F16C
+    for (; c + 8 <= n; c += 8)
+        _mm_storeu_si128((__m128i *)(h + c), _mm256_cvtps_ph(_mm256_loadu_ps(src + c), 0));
+#endif
+    for (; c < n; ++c) h[c] = f2h(src[c]);
+}
+
+/* Keys [t0, t1) of one sequence for kv heads [h0, h1): writes the
+ * unnormalised output sum_t exp(s_t - mx) v_t of each query head to out (at
+ * its head offsets), with mx and sum (the normaliser) per query head.
+ * Returns 0, or -1 when the scratch buffer could not be grown. One body, two
+ * cache element types (KT), so the fp32 loop carries no per-element branch. */
+#define DEFINE_DECODE_RANGE(NAME, KT, DOT, AXPY)                                                  \
+    static int NAME(const float *q, const KT *k_cache, const KT *v_cache, const int32_t *row,     \
+                    int64_t t0, int64_t t1, float *out, int64_t h0, int64_t h1, int64_t g,        \
+                    int64_t d, int64_t bs, int64_t tok_stride, int64_t blk_stride, float scale,   \
+                    float **scores, int64_t *cap, float *mx, float *sum)                          \
+    {                                                                                             \
+        const int64_t nh = (h1 - h0) * g; /* query heads in this item */                         \
+        const int64_t n = t1 - t0;                                                                \
+        const float *qh = q + h0 * g * d;                                                         \
+        float *oh = out + h0 * g * d;                                                             \
+        if (n * nh > *cap) {                                                                      \
+            free(*scores);                                                                        \
+            *cap = n * nh;                                                                        \
+            *scores = (float *)malloc((size_t)(*cap) * sizeof(float));                            \
+            if (*scores == NULL) {                                                                \
+                *cap = 0;                                                                         \
+                return -1;                                                                        \
+            }                                                                                     \
+        }                                                                                         \
+        float *sc = *scores;                                                                      \
+        for (int64_t j = 0; j < nh; ++j) mx[j] = -INFINITY;                                       \
+        /* Pass 1: scores. A token's row holds every kv head contiguously, so one                 \
+         * item reads each row once for all of its heads. */                                      \
+        for (int64_t t = t0; t < t1; ++t) {                                                       \
+            const KT *kr = k_cache + (int64_t)row[t / bs] * blk_stride + (t % bs) * tok_stride;   \
+            for (int64_t j = 0; j < nh; ++j) {                                                    \
+                const float s = DOT(qh + j * d, kr + (h0 + j / g) * d, d) * scale;                \
+                sc[j * n + t - t0] = s;                                                           \
+                if (s > mx[j]) mx[j] = s;                                                         \
+            }                                                                                     \
+        }                                                                                         \
+        /* Softmax, unnormalised; the caller divides by sum. */                                   \
+        for (int64_t j = 0; j < nh; ++j) {                                                        \
+            float *sj = sc + j * n;                                                               \
+            v8f acc = {0};                                                                        \
+            int64_t t = 0;                                                                        \
+            for (; t + 8 <= n; t += 8) {                                                          \
+                const v8f e = exp8(load8(sj + t) - mx[j]);                                        \
+                memcpy(sj + t, &e, sizeof e);                                                     \
+                acc += e;                                                                         \
+            }                                                                                     \
+            float total = hsum8(acc);                                                             \
+            for (; t < n; ++t) {                                                                  \
+                const float e = expf(sj[t] - mx[j]);                                              \
+                sj[t] = e;                                                                        \
+                total += e;                                                                       \
+            }                                                                                     \
+            sum[j] = total;                                                                       \
+        }                                                                                         \
+        /* Pass 2: weighted sum of values. */                                                     \
+        memset(oh, 0, (size_t)(nh * d) * sizeof(float));                                          \
+        for (int64_t t = t0; t < t1; ++t) {                                                       \
+            const KT *vr = v_cache + (int64_t)row[t / bs] * blk_stride + (t % bs) * tok_stride;   \
+            for (int64_t j = 0; j < nh; ++j)                                                      \
+                AXPY(oh + j * d, sc[j * n + t - t0], vr + (h0 + j / g) * d, d);                   \
+        }                                                                                         \
+        return 0;                                                                                 \
+    }
+
+DEFINE_DECODE_RANGE(decode_range_f32, float, dot, axpy)
+DEFINE_DECODE_RANGE(decode_range_f16, uint16_t, dot_h, axpy_h)
+
+static int decode_range(const float *q, const void *k_cache, const void *v_cache, int kv_half,
+                        const int32_t *row, int64_t t0, int64_t t1, float *out, int64_t h0,
+                        int64_t h1, int64_t g, int64_t d, int64_t bs, int64_t tok_stride,
+                        int64_t blk_stride, float scale, float **scores, int64_t *cap, float *mx,
+                        float *sum)
+{
+    if (kv_half)
+        return decode_range_f16(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, row, t0,
+                                t1, out, h0, h1, g, d, bs, tok_stride, blk_stride, scale, scores,
+                                cap, mx, sum);
+    return decode_range_f32(q, (const float *)k_cache, (const float *)v_cache, row, t0, t1, out,
+                            h0, h1, g, d, bs, tok_stride, blk_stride, scale, scores, cap, mx, sum);
+}
+
+/* One work item: sequence i, kv heads [h0, h1), all n of its keys. */
+static int decode_item(
+    const float *q, const void *k_cache, const void *v_cache, int kv_half, const int32_t *row,
+    int64_t n, float *out, int64_t h0, int64_t h1, int64_t g, int64_t d, int64_t bs,
+    int64_t tok_stride, int64_t blk_stride, float scale, float **scores, int64_t *cap)
+{
+    const int64_t nh = (h1 - h0) * g;
+    float mx[nh], sum[nh];
+    if (decode_range(q, k_cache, v_cache, kv_half, row, 0, n, out, h0, h1, g, d, bs, tok_stride,
+                     blk_stride, scale, scores, cap, mx, sum) != 0)
+        return -1;
     float *oh = out + h0 * g * d;
-    if (n * nh > *cap) {
-        free(*scores);
-        *cap = n * nh;
-        *scores = (float *)malloc((size_t)(*cap) * sizeof(float));
-        if (*scores == NULL) {
-            *cap = 0;
-            return -1;
-        }
-    }
-    float *sc = *scores;
-    float mx[nh];
-    for (int64_t j = 0; j < nh; ++j) mx[j] = -INFINITY;
-    /* Pass 1: scores. A token's row holds every kv head contiguously, so one
-     * item reads each row once for all of its heads. */
-    for (int64_t t = 0; t < n; ++t) {
-        const float *kr = k_cache + (int64_t)row[t / bs] * blk_stride + (t % bs) * tok_stride;
-        for (int64_t j = 0; j < nh; ++j) {
-            const float s = dot(qh + j * d, kr + (h0 + j / g) * d, d) * scale;
-            sc[j * n + t] = s;
-            if (s > mx[j]) mx[j] = s;
-        }
-    }
-    /* Softmax, unnormalised; 1/sum is applied to the output at the end. */
-    float inv[nh];
     for (int64_t j = 0; j < nh; ++j) {
-        float *sj = sc + j * n;
-        float sum = 0.0f;
-        for (int64_t t = 0; t < n; ++t) {
-            const float e = expf(sj[t] - mx[j]);
-            sj[t] = e;
-            sum += e;
-        }
-        inv[j] = 1.0f / sum;
-    }
-    /* Pass 2: weighted sum of values. */
-    memset(oh, 0, (size_t)(nh * d) * sizeof(float));
-    for (int64_t t = 0; t < n; ++t) {
-        const float *vr = v_cache + (int64_t)row[t / bs] * blk_stride + (t % bs) * tok_stride;
-        for (int64_t j = 0; j < nh; ++j) {
-            const float p = sc[j * n + t];
-            const float *vp = vr + (h0 + j / g) * d;
-            float *oj = oh + j * d;
-            for (int64_t c = 0; c < d; ++c) oj[c] += p * vp[c];
-        }
-    }
-    for (int64_t j = 0; j < nh; ++j) {
-        float *oj = oh + j * d;
-        for (int64_t c = 0; c < d; ++c) oj[c] *= inv[j];
+        const float inv = 1.0f / sum[j];
+        for (int64_t c = 0; c < d; ++c) oh[j * d + c] *= inv;
     }
     return 0;
 }
 
 int fuel_paged_decode_attention_f32(
-    const float *q, const float *k_cache, const float *v_cache,
+    const float *q, const void *k_cache, const void *v_cache,
     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
     float *out, int64_t nd, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
-    float scale, int num_threads)
+    float scale, int num_threads, int kv_half)
 {
     const int64_t g = hq / hkv;
     const int64_t tok_stride = hkv * d;
@@ -140,8 +340,8 @@ int fuel_paged_decode_attention_f32(
         int64_t cap = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < nd; ++i) {
-            if (decode_item(q + i * hq * d, k_cache, v_cache, block_tables + i * bt_stride,
-                            seq_lens[i], out + i * hq * d, hq, 0, hkv, g, d, bs, tok_stride,
+            if (decode_item(q + i * hq * d, k_cache, v_cache, kv_half, block_tables + i * bt_stride,
+                            seq_lens[i], out + i * hq * d, 0, hkv, g, d, bs, tok_stride,
                             blk_stride, scale, &scores, &cap) != 0) {
 #pragma omp atomic write
                 failed = 1;
@@ -154,21 +354,52 @@ int fuel_paged_decode_attention_f32(
 
 /* The whole attention of a decode-only step in one call: for each sequence i,
  * store its new key/value row into cache slot slots[i] (skipped when < 0, a
- * padding row), then attend as fuel_paged_decode_attention_f32 does. q, k and
+ * padding row; converted to fp16 when kv_half), then attend as
+ * fuel_paged_decode_attention_f32 does. q, k and
  * v are read in place from one fused projection output: row i of q starts at
- * qkv + i * row_stride, its k at + k_off, its v at + v_off (floats). Each
- * sequence writes only its own slot before reading its own blocks, so items
- * stay independent. out: [nd, hq, d] contiguous. */
+ * qkv + i * row_stride, its k at + k_off, its v at + v_off (floats).
+ *
+ * With fewer sequences than threads and long contexts (one stream over a long
+ * system prompt), each sequence's keys are split into one range per thread
+ * (flash-decoding's split-K: partial outputs merged by their softmax maxima),
+ * so no core idles. out: [nd, hq, d] contiguous. */
+#define SPLIT_MIN_TOKENS 256
+
 int fuel_paged_decode_store_attention_f32(
-    const float *qkv, int64_t row_stride, int64_t k_off, int64_t v_off, float *k_cache,
-    float *v_cache, const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
+    const float *qkv, int64_t row_stride, int64_t k_off, int64_t v_off, void *k_cache,
+    void *v_cache, const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
     const int32_t *seq_lens, float *out, int64_t nd, int64_t hq, int64_t hkv, int64_t d,
-    int64_t bs, float scale, int num_threads)
+    int64_t bs, float scale, int num_threads, int kv_half)
 {
     const int64_t g = hq / hkv;
     const int64_t tok_stride = hkv * d;
     const int64_t blk_stride = bs * tok_stride;
-    const int nt = nd < num_threads ? (int)nd : num_threads;
+    /* Stores first: a split sequence's ranges are read by several threads. */
+    for (int64_t i = 0; i < nd; ++i) {
+        if (slots[i] < 0) continue;
+        const float *row = qkv + i * row_stride;
+        const size_t at = (size_t)(slots[i] * tok_stride) * (kv_half ? 2 : 4);
+        store_row((char *)k_cache + at, row + k_off, tok_stride, kv_half);
+        store_row((char *)v_cache + at, row + v_off, tok_stride, kv_half);
+    }
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < nd; ++i) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    const int64_t parts = nd < num_threads && max_len >= SPLIT_MIN_TOKENS ? num_threads : 1;
+    const int64_t items = nd * parts;
+    const int nt = items < num_threads ? (int)items : num_threads;
+    /* Split mode: partial outputs [items, hq, d] and their (max, sum) [items, hq]. */
+    float *part_out = NULL, *part_mx = NULL, *part_sum = NULL;
+    if (parts > 1) {
+        part_out = malloc(sizeof(float) * (size_t)(items * hq * d));
+        part_mx = malloc(sizeof(float) * (size_t)(items * hq));
+        part_sum = malloc(sizeof(float) * (size_t)(items * hq));
+        if (!part_out || !part_mx || !part_sum) {
+            free(part_out);
+            free(part_mx);
+            free(part_sum);
+            return -1;
+        }
+    }
     int failed = 0;
 
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -176,22 +407,64 @@ int fuel_paged_decode_store_attention_f32(
         float *scores = NULL;
         int64_t cap = 0;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < nd; ++i) {
+        for (int64_t it = 0; it < items; ++it) {
+            const int64_t i = it / parts, p = it % parts;
             const float *row = qkv + i * row_stride;
-            if (slots[i] >= 0) {
-                memcpy(k_cache + slots[i] * tok_stride, row + k_off,
-                       (size_t)tok_stride * sizeof(float));
-                memcpy(v_cache + slots[i] * tok_stride, row + v_off,
-                       (size_t)tok_stride * sizeof(float));
+            const int32_t *bt = block_tables + i * bt_stride;
+            int rc;
+            if (parts == 1) {
+                rc = decode_item(row, k_cache, v_cache, kv_half, bt, seq_lens[i], out + i * hq * d,
+                                 0, hkv, g, d, bs, tok_stride, blk_stride, scale, &scores, &cap);
+            } else {
+                const int64_t n = seq_lens[i];
+                const int64_t t0 = n * p / parts, t1 = n * (p + 1) / parts;
+                if (t0 == t1) { /* an empty range contributes nothing */
+                    for (int64_t j = 0; j < hq; ++j) {
+                        part_mx[it * hq + j] = -INFINITY;
+                        part_sum[it * hq + j] = 0.0f;
+                    }
+                    memset(part_out + it * hq * d, 0, sizeof(float) * (size_t)(hq * d));
+                    rc = 0;
+                } else {
+                    rc = decode_range(row, k_cache, v_cache, kv_half, bt, t0, t1,
+                                      part_out + it * hq * d,
+                                      0, hkv, g, d, bs, tok_stride, blk_stride, scale, &scores,
+                                      &cap, part_mx + it * hq, part_sum + it * hq);
+                }
             }
-            if (decode_item(row, k_cache, v_cache, block_tables + i * bt_stride, seq_lens[i],
-                            out + i * hq * d, hq, 0, hkv, g, d, bs, tok_stride, blk_stride, scale,
-                            &scores, &cap) != 0) {
+            if (rc != 0) {
 #pragma omp atomic write
                 failed = 1;
             }
         }
         free(scores);
     }
+    if (parts > 1 && !failed) {
+        for (int64_t i = 0; i < nd; ++i) {
+            for (int64_t j = 0; j < hq; ++j) {
+                float m = -INFINITY;
+                for (int64_t p = 0; p < parts; ++p) {
+                    const float v = part_mx[(i * parts + p) * hq + j];
+                    m = v > m ? v : m;
+                }
+                float total = 0.0f;
+                float *o = out + (i * hq + j) * d;
+                memset(o, 0, sizeof(float) * (size_t)d);
+                for (int64_t p = 0; p < parts; ++p) {
+                    const int64_t it = i * parts + p;
+                    if (part_sum[it * hq + j] == 0.0f) continue;
+                    const float w = expf(part_mx[it * hq + j] - m);
+                    total += w * part_sum[it * hq + j];
+                    const float *po = part_out + (it * hq + j) * d;
+                    for (int64_t c = 0; c < d; ++c) o[c] += w * po[c];
+                }
+                const float inv = 1.0f / total;
+                for (int64_t c = 0; c < d; ++c) o[c] *= inv;
+            }
+        }
+    }
+    free(part_out);
+    free(part_mx);
+    free(part_sum);
     return failed ? -1 : 0;
 }
