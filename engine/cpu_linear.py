@@ -124,9 +124,11 @@ class BlockQuantLinear(nn.Module):
     fp16 at one row, on par with int8 at 8 rows. Larger batches (prefill
     chunks, wide decode steps) go to an Fp16Linear of the blocks' weight:
     fbgemm int8 would be ~1.2-1.5x faster there, but its per-tensor 7-bit
-    activations let one massive-activation row (the BOS token of every
-    prompt) flatten the rest of the batch (first-token distributions moved
-    by total variation 0.5 on SmolLM2 vs 0.001 for fp16, tests/test_models.py).
+    activations cost accuracy (on SmolLM2 the prompt's first-token
+    distribution moved by total variation 0.5, against 0.001 with fp16;
+    tests/test_models.py). Routing only batches with an outlier row to fp16
+    was tried and did not help: the row maxima of prefill and decode batches
+    look alike (1.2-4x apart) except in a few down projections.
     The native path rounds activations to 8 bits per 32-block, as llama.cpp
     does, so a sequence's logits can differ slightly with its batch's size.
 
@@ -144,12 +146,13 @@ class BlockQuantLinear(nn.Module):
         max_native_rows: int = 8,
     ) -> None:
         super().__init__()
-        from kernels.quant_linear import Q4_1, quantize_q4_1, quantize_q8_0
+        from kernels.quant_linear import Q4_1, dequantize, quantize_q4_1, quantize_q8_0
 
         w = weight.detach().float()
         self.qweight: QuantWeight = quantize_q4_1(w) if qtype == Q4_1 else quantize_q8_0(w)
         self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
-        self.large = Fp16Linear(w, bias)
+        # The blocks' weight, not the float one: both paths compute with one model.
+        self.large = Fp16Linear(dequantize(self.qweight), bias)
         self.kernels = kernels
         self.max_native_rows = max_native_rows
 

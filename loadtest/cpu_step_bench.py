@@ -1,16 +1,17 @@
-"""Engine step cost on the CPU at several batch sizes: plain torch linears vs oneDNN-packed.
+"""Engine decode-step cost on the CPU at several batch sizes, configuration against configuration.
 
-Runs both variants in one process, alternating per batch size, and reports
-wall and process-CPU milliseconds per decode step (CPU time is steadier than
-wall time on a shared machine). Usage::
+Each configuration (``--cpu-linear`` choice, optionally ``:kv-cache-dtype``)
+is its own engine in this process; they run alternately per batch size, so
+drift hits all of them. Reports wall and process-CPU milliseconds per decode
+step, best of ``--rounds``. Usage::
 
     python -m loadtest.cpu_step_bench --batches 1,16,32 --steps 8
+    python -m loadtest.cpu_step_bench --configs int8,q4_1,q4_1:float16 --batches 1 --prompt-len 1100
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from typing import Any
@@ -52,48 +53,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--configs",
+        default="torch,onednn",
+        help="engines to compare: CPU_LINEAR[:KV_CACHE_DTYPE],... (first is the baseline)",
+    )
+    ap.add_argument("--kv-cache-memory", type=int, default=512 << 20)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    eng = LLMEngine(
-        EngineConfig(
-            kv_cache_memory=256 << 20,
-            max_num_seqs=64,
-            enable_prefix_caching=False,
-            cpu_linear="torch",
+    engines: dict[str, LLMEngine] = {}
+    for spec in args.configs.split(","):
+        linear, _, kv = spec.partition(":")
+        engines[spec] = LLMEngine(
+            EngineConfig(
+                kv_cache_memory=args.kv_cache_memory,
+                max_num_seqs=64,
+                enable_prefix_caching=False,
+                cpu_linear=linear,
+                kv_cache_dtype=kv or "auto",
+            )
         )
-    )
-    plain: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
-    packed: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
-    plain_model: Any = eng.model
-    packed_model: Any = copy.deepcopy(plain_model)
-    packed_model.pack_for_cpu()
+    costs: dict[tuple[int, str], list[tuple[float, float]]] = {
+        (b, c): [] for b in batches for c in engines
+    }
     for _ in range(args.rounds):
         for b in batches:
-            eng.runner.model = plain_model
-            plain[b].append(decode_cost(eng, b, args.steps, args.prompt_len))
-            eng.runner.model = packed_model
-            packed[b].append(decode_cost(eng, b, args.steps, args.prompt_len))
+            for spec, eng in engines.items():  # alternating: drift hits every config
+                costs[(b, spec)].append(decode_cost(eng, b, args.steps, args.prompt_len))
+    names = list(engines)
+    print(f"threads={torch.get_num_threads()} prompt_len={args.prompt_len}")
+    print("| batch | " + " | ".join(f"{n} wall ms | {n} cpu ms" for n in names) + " |")
+    print("|---|" + "---|---|" * len(names))
     rows = []
-    print(f"threads={torch.get_num_threads()}")
-    print(
-        "| batch | plain wall ms | plain cpu ms | packed wall ms | packed cpu ms | cpu ratio plain/packed |"
-    )
-    print("|---|---|---|---|---|---|")
     for b in batches:
-        pw = min(x[0] for x in plain[b])
-        pc = min(x[1] for x in plain[b])
-        kw = min(x[0] for x in packed[b])
-        kc = min(x[1] for x in packed[b])
-        rows.append(
-            {
-                "batch": b,
-                "plain_wall_ms": pw,
-                "plain_cpu_ms": pc,
-                "packed_wall_ms": kw,
-                "packed_cpu_ms": kc,
-            }
-        )
-        print(f"| {b} | {pw:.1f} | {pc:.1f} | {kw:.1f} | {kc:.1f} | {pc / kc:.2f} |")
+        row: dict[str, Any] = {"batch": b}
+        cells = []
+        for n in names:
+            wall = min(x[0] for x in costs[(b, n)])
+            cpu = min(x[1] for x in costs[(b, n)])
+            row[f"{n}_wall_ms"], row[f"{n}_cpu_ms"] = wall, cpu
+            cells.append(f"{wall:.1f} | {cpu:.1f}")
+        rows.append(row)
+        print(f"| {b} | " + " | ".join(cells) + " |")
     print(json.dumps(rows))
     return 0
 
