@@ -43,6 +43,7 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / "cpu_ops.c",
     Path(__file__).parent / "csrc" / "cpu_quant.c",
 ]
+_HEADERS = [Path(__file__).parent / "csrc" / "fuel_half.h"]  # part of the build key
 # KV cache element types the attention kernels read (float16: converted as read).
 _CACHE_DTYPES = (torch.float32, torch.float16)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -73,7 +74,7 @@ def _build(cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     flags = [*_FLAGS, *extra_flags]
     if cc is None:
         raise NativeBuildError("no C compiler (cc/gcc) on PATH")
-    source = b"\0".join(src.read_bytes() for src in _SOURCES)
+    source = b"\0".join(src.read_bytes() for src in [*_SOURCES, *_HEADERS])
     try:
         version = subprocess.run(
             [cc, "--version"], capture_output=True, text=True, check=True, timeout=30

@@ -745,7 +745,9 @@ def scalar_cpu_kernels(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT" or os.uname().machine != "x86_64":
         pytest.skip("-mno-avx2 is an x86 flag")
     try:
-        return CpuKernels.load(tmp_path_factory.mktemp("scalar"), extra_flags=("-mno-avx2",))
+        return CpuKernels.load(
+            tmp_path_factory.mktemp("scalar"), extra_flags=("-mno-avx2", "-mno-f16c")
+        )
     except NativeBuildError as e:
         pytest.skip(f"native CPU kernels not buildable here: {e}")
 
@@ -840,3 +842,35 @@ def test_block_quant_linear_routes_by_rows(cpu_kernels: CpuKernels) -> None:
     assert float((lin(large) - exact).abs().max()) < 2e-3 * float(exact.abs().max())
     blocks = small @ dequantize(lin.qweight).T + bias
     assert float((lin(small) - blocks).abs().max()) < 0.02 * float(blocks.abs().max())
+
+
+def test_portable_half_cache_matches_f16c(
+    cpu_kernels: CpuKernels, scalar_cpu_kernels: CpuKernels
+) -> None:
+    """The portable float <-> half code (no F16C) stores the same bits and reads
+    the same values as the F16C instructions, including rounding ties, tiny
+    (subnormal) and huge (overflowing) keys."""
+    b = make_batch([1, 1, 1], [5, 20, 9], num_heads=4, num_kv_heads=2, head_dim=32, seed=5)
+    if b.q.device.type != "cpu":
+        pytest.skip("the batch helper built device tensors")
+    qkv, q, k, v = _fused_qkv(b)
+    hq = 4 * 32
+    qkv[0, hq : hq + 4] = torch.tensor(
+        [1e-7, 3e-8, 7e4, 1.0 + 2.0**-11]
+    )  # subnormal, tiny, inf, tie
+    outs, caches = [], []
+    for kern in (cpu_kernels, scalar_cpu_kernels):
+        kc, vc = b.k_cache.half(), b.v_cache.half()
+        m = b.meta
+        outs.append(
+            kern.paged_decode_store_attention(
+                q, k, v, kc, vc, m.slot_mapping, m.block_tables, m.seq_lens, b.scale
+            )
+        )
+        caches.append((kc, vc))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    slot = int(b.meta.slot_mapping[0])
+    stored = caches[0][0].view(-1, 2 * 32)[slot, :4]
+    assert torch.equal(stored, torch.tensor([1e-7, 3e-8, 7e4, 1.0 + 2.0**-11]).half())
+    # inf in a key makes that sequence's scores inf/nan in both builds alike
+    torch.testing.assert_close(outs[0][1:], outs[1][1:], rtol=1e-5, atol=1e-5)

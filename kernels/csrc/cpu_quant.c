@@ -31,38 +31,11 @@
 #define FUEL_AVX2 1
 #endif
 
+#include "fuel_half.h"
+
 #define QK 32
 #define MT 4                  /* activation rows sharing one pass over a weight row */
 #define PAR_MIN_BLOCKS 4096   /* weight blocks x rows below which one thread is faster */
-
-static inline float half_to_float(uint16_t h)
-{
-#ifdef FUEL_AVX2
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400u)) {
-                mant <<= 1;
-                --exp;
-            }
-            bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
 
 /* Quantize rows of x [M, K] into blocks: qx [M, nb * 32], dx and sx [M, nb];
  * blocks past K / 32 (padding) are zero. */
@@ -126,7 +99,7 @@ static inline void row_scales(const uint16_t *d, const float *dx, int64_t nb, in
     }
 #endif
     for (; b < nb; ++b) {
-        const float dw = half_to_float(d[b]);
+        const float dw = h2f(d[b]);
         for (int r = 0; r < mt; ++r) ds[r * nb + b] = dw * dx[r * nb + b];
     }
 }
@@ -145,7 +118,7 @@ static inline void row_offsets(const uint16_t *m, const float *sx, int64_t nb, i
                                   _mm256_loadu_ps(s + b), acc);
         total = hsum8(acc);
 #endif
-        for (; b < nb; ++b) total += half_to_float(m[b]) * s[b];
+        for (; b < nb; ++b) total += h2f(m[b]) * s[b];
         offs[r] = total;
     }
 }
