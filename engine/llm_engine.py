@@ -43,6 +43,7 @@ from engine.stats import EngineStats
 from engine.structured import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.tokenizer import Tokenizer
 from engine.trace import NullTraceRecorder, TraceRecorder, TraceStore
+from kernels.cpu_native import CpuKernels, NativeBuildError
 
 logger = logging.getLogger(__name__)
 
@@ -155,12 +156,10 @@ class LLMEngine:
             self.tracer = TraceRecorder(self.traces, log_prompts=config.log_prompts)
 
     @staticmethod
-    def _native_kernels(backend: Any) -> Any:
+    def _native_kernels(backend: object) -> CpuKernels:
         """The native CPU kernels: the attention backend's, or built now."""
         if isinstance(backend, CpuNativeAttentionBackend):
             return backend.kernels
-        from kernels.cpu_native import CpuKernels, NativeBuildError
-
         try:
             return CpuKernels.load()
         except NativeBuildError as e:

@@ -43,7 +43,11 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / "cpu_ops.c",
     Path(__file__).parent / "csrc" / "cpu_quant.c",
 ]
-_HEADERS = [Path(__file__).parent / "csrc" / "fuel_half.h"]  # part of the build key
+# Included by the sources: part of the build key.
+_HEADERS = [
+    Path(__file__).parent / "csrc" / "fuel_half.h",
+    Path(__file__).parent / "csrc" / "fuel_vec.h",
+]
 # KV cache element types the attention kernels read (float16: converted as read).
 _CACHE_DTYPES = (torch.float32, torch.float16)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]

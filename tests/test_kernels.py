@@ -551,6 +551,10 @@ def test_native_model_ops_match_torch_ops(cpu_kernels: CpuKernels) -> None:
         assert got_h is x
         gu = torch.randn(rows, 2 * dim, generator=g)
         _assert_close(nat.silu_mul(gu), ref.silu_mul(gu), torch.float32)
+    # SiLU's vector exp: widths off the 8-lane grid, and gates far into both tails.
+    gu = torch.randn(3, 2 * 100, generator=g) * 4
+    gu[0, :8] = torch.tensor([-200.0, -88.5, -87.0, -20.0, 20.0, 87.5, 90.0, 300.0])
+    _assert_close(nat.silu_mul(gu), ref.silu_mul(gu), torch.float32)
     # RoPE in place on a fused qkv buffer (q then k adjacent), and out of place otherwise.
     hq, hkv, d, t = 6, 2, 32, 7
     cache = torch.randn(64, d, generator=g)

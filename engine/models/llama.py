@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.model_config import ModelConfig
 from engine.models.ops import ModelOps, RopeInputs, TorchModelOps
+from kernels.cpu_native import CpuKernels
 
 
 class RMSNorm(nn.Module):
@@ -287,10 +287,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.lm_head is None else self.lm_head
         return n + 1
 
-    def quantize_q4_1_for_cpu(self, kernels: Any) -> int:
+    def quantize_q4_1_for_cpu(self, kernels: CpuKernels) -> int:
         """Q4_1 linears and a Q8_0 logits projection (native kernels, small
-        batches; fp16 above): see ``BlockQuantLinear`` in engine/cpu_linear.py.
-        ``kernels`` is a loaded ``kernels.cpu_native.CpuKernels``."""
+        batches; fp16 above): see ``BlockQuantLinear`` in engine/cpu_linear.py."""
         from engine.cpu_linear import BlockQuantLinear, quantize_linears_blockwise
         from kernels.quant_linear import Q4_1, Q8_0
 

@@ -10,6 +10,9 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+
+#include "fuel_vec.h"
 
 #define PAR_MIN_ELEMS 65536
 
@@ -72,6 +75,13 @@ void fuel_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter,
     for (int64_t r = 0; r < rows; ++r) {
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
-        for (int64_t j = 0; j < inter; ++j) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        int64_t j = 0;
+        /* Vector exp: the scalar expf made this ~0.25 ms per layer at 16 rows. */
+        for (; j + 8 <= inter; j += 8) {
+            const v8f gv = load8(g + j);
+            const v8f r8 = gv / (1.0f + exp8(-gv)) * load8(u + j);
+            memcpy(o + j, &r8, sizeof r8);
+        }
+        for (; j < inter; ++j) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
 }
