@@ -878,3 +878,31 @@ def test_portable_half_cache_matches_f16c(
     assert torch.equal(stored, torch.tensor([1e-7, 3e-8, 7e4, 1.0 + 2.0**-11]).half())
     # inf in a key makes that sequence's scores inf/nan in both builds alike
     torch.testing.assert_close(outs[0][1:], outs[1][1:], rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_split_k_with_short_neighbours(cpu_kernels: CpuKernels) -> None:
+    """More threads than sequences, one long: every sequence is split into one
+    key range per thread, so the short one gets empty ranges, which the merge
+    must skip (threads oversubscribed on purpose; results do not depend on it)."""
+    b = make_batch([1, 1], [300, 3], num_heads=4, num_kv_heads=2, head_dim=32, seed=8)
+    if b.q.device.type != "cpu":
+        pytest.skip("the batch helper built device tensors")
+    _, q, k, v = _fused_qkv(b)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        m = b.meta
+        got = cpu_kernels.paged_decode_store_attention(
+            q, k, v, b.k_cache, b.v_cache, m.slot_mapping, m.block_tables, m.seq_lens, b.scale
+        )
+    finally:
+        torch.set_num_threads(before)
+    from engine.attention.torch_backend import store_kv
+
+    store_kv(b.k, b.v, kc, vc, b.meta.slot_mapping)
+    qsl = torch.arange(3, dtype=torch.int32)
+    want = paged_attention_ref(
+        b.q, kc, vc, b.meta.block_tables, b.meta.seq_lens, qsl, 1, 300, b.scale, 2
+    )
+    _assert_close(got, want, torch.float32)
