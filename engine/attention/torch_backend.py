@@ -48,18 +48,28 @@ def store_kv(
 class _StepPlan:
     """What every layer of one step shares: built from the step's metadata once.
 
-    ``keep`` is None when every new token is stored (no ``-1`` slots). The
-    decode fields describe the first ``meta.num_decodes`` sequences:
+    ``keep_rows()`` is None when every new token is stored (no ``-1`` slots);
+    it is computed on first use (a host sync the native fused path never
+    needs: its kernel skips ``-1`` slots itself). The decode fields describe the first ``meta.num_decodes`` sequences:
     ``flat_blocks`` int64 ``[nd * nblk]`` (block ids row by row) and ``mask``
     bool ``[nd, 1, 1, nblk * block_size]`` (position < seq_len).
     """
 
     meta: AttentionMetadata
-    keep: torch.Tensor | None
     flat_blocks: torch.Tensor | None = None
     nblk: int = 0
     mask: torch.Tensor | None = None
     lengths_checked: bool = False  # native kernel: seq_lens bounds checked this step
+    _keep: torch.Tensor | None = None
+    _keep_known: bool = False
+
+    def keep_rows(self) -> torch.Tensor | None:
+        if not self._keep_known:
+            sm = self.meta.slot_mapping
+            if sm.numel() and bool((sm < 0).any()):
+                self._keep = torch.nonzero(sm >= 0).squeeze(1)
+            self._keep_known = True
+        return self._keep
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -80,11 +90,7 @@ class TorchAttentionBackend(AttentionBackend):
         plan = self._plan
         if plan is not None and plan.meta is meta:
             return plan
-        sm = meta.slot_mapping
-        keep = None
-        if sm.numel() and bool((sm < 0).any()):
-            keep = torch.nonzero(sm >= 0).squeeze(1)
-        plan = _StepPlan(meta, keep)
+        plan = _StepPlan(meta)
         self._plan = plan
         return plan
 
@@ -111,7 +117,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         block_size = k_cache.shape[1]
         plan = self._step_plan(meta, block_size)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.keep)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.keep_rows())
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

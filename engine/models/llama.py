@@ -284,7 +284,6 @@ class LlamaForCausalLM(nn.Module):
         n = quantize_linears(self.model)
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         self.logits_linear = Int8DynamicLinear(weight, None)
-        self.lm_head = None if self.lm_head is None else self.lm_head
         return n + 1
 
     def quantize_q4_1_for_cpu(self, kernels: CpuKernels) -> int:
