@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineUnavailableError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)

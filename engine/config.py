@@ -38,7 +38,7 @@ class EngineConfig:
     enforce_eager: bool = False
     num_threads: int | None = None
     # CPU fp32 matmuls: "onednn" prepacks weights for oneDNN (2x less CPU per
-    # decode step at batch 16-32 on AVX2 machines, see engine/cpu_linear.py);
+    # decode step at batch 16-32 on AVX2 machines, see engine/models/linear.py);
     # "auto" does so on the CPU when oneDNN packing is available; "int8" quantizes
     # weights and activations to int8 (fbgemm): 5-10x faster matmuls, approximate;
     # "q4_1" keeps llama.cpp Q4_1 blocks (Q8_0 logits) for native decode kernels

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import PositionLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 @dataclass

@@ -20,11 +20,9 @@ import torch
 from engine.attention.base import get_attention_backend
 from engine.attention.cpu_backend import CpuNativeAttentionBackend
 from engine.config import EngineConfig
-from engine.cuda_graphs import batch_size_ladder, cuda_graph_factory
 from engine.errors import InvalidRequestError
-from engine.kv_cache_manager import KVCacheManager
-from engine.loader import load_model, load_model_config, resolve_model_path
-from engine.model_runner import ModelRunner, StepResult, attention_backend_of
+from engine.kv.manager import KVCacheManager
+from engine.models.loader import load_model, load_model_config, resolve_model_path
 from engine.models.ops import NativeCpuModelOps
 from engine.output_processor import (
     GroupState,
@@ -36,13 +34,15 @@ from engine.output_processor import (
 )
 from engine.outputs import CompletionDelta, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import GrammarMaskFn
-from engine.sampling_params import SamplingParams, StructuredOutputSpec
+from engine.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
+from engine.sampling.params import SamplingParams, StructuredOutputSpec
+from engine.sampling.sampler import GrammarMaskFn
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.stats import EngineStats
-from engine.structured import GrammarCompiler, allocate_bitmask, apply_bitmask
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from engine.trace import NullTraceRecorder, TraceRecorder, TraceStore
+from engine.worker.cuda_graphs import batch_size_ladder, cuda_graph_factory
+from engine.worker.model_runner import ModelRunner, StepResult, attention_backend_of
 from kernels.cpu_native import CpuKernels, NativeBuildError
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class LLMEngine:
             raise ValueError(f"--cpu-linear q4_1 needs the native CPU kernels: {e}") from e
 
     def _use_onednn(self, device: torch.device, dtype: torch.dtype) -> bool:
-        from engine.cpu_linear import onednn_packing_available
+        from engine.models.linear import onednn_packing_available
 
         choice = self.config.cpu_linear
         if choice not in ("auto", "torch", "onednn", "int8", "q4_1"):
@@ -245,7 +245,7 @@ class LLMEngine:
         )
 
     def _capture_decode_graphs(self, max_len: int) -> None:
-        """CUDA graphs for decode-only steps (engine/cuda_graphs.py), when the backend allows."""
+        """CUDA graphs for decode-only steps (engine/worker/cuda_graphs.py), when the backend allows."""
         sizes = batch_size_ladder(self.config.max_num_seqs)
         try:
             t0 = time.perf_counter()

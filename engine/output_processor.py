@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.outputs import CompletionDelta, PositionLogprobs, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.tokenizer import Tokenizer
+from engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.outputs import RequestMetrics
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -79,7 +79,7 @@ class Request:
     # Set for choices 1..n-1: admitted only after the first choice computed the
     # prompt, so that they share its blocks instead of recomputing it.
     prefix_source: Request | None = None
-    # Structured output: a grammar matcher (engine.structured.GrammarState) whose
+    # Structured output: a grammar matcher (engine.sampling.grammar.GrammarState) whose
     # mask constrains sampling; advanced with every sampled token.
     grammar: Any = None
 

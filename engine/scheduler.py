@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, RequestRejectedError
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv.manager import KVCacheManager
 from engine.policies import (
     AdmissionPolicy,
     AdmissionState,

@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 # Compiled kernels on the GPU, never the CPU interpreter.
 unset TRITON_INTERPRET
-exec timeout 480 python -m loadtest.gpu_check "$@"
+exec timeout 480 python -m benchmarks.gpu_check "$@"

@@ -34,7 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine.errors import EngineUnavailableError, InvalidRequestError, RequestRejectedError
 from engine.outputs import PositionLogprobs, RequestOutput
-from engine.sampling_params import SamplingParams, StructuredOutputSpec
+from engine.sampling.params import SamplingParams, StructuredOutputSpec
 from server import __version__
 from server.config import ServerConfig
 from server.middleware import FrontDoorMiddleware, FrontDoorState
@@ -249,7 +249,7 @@ def resolve_tool_calling(
 
     ``auto`` needs ``--enable-auto-tool-choice`` (as in vLLM); the parser is
     ``--tool-call-parser`` or inferred from the chat template. ``required`` and a
-    named function are enforced by a grammar from ``engine/structured.py``.
+    named function are enforced by a grammar from ``engine/sampling/grammar.py``.
     """
     if not body.tools:
         if body.tool_choice not in (None, "none"):
@@ -813,7 +813,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
         if not kwargs:
             return None
         try:
-            from engine.tokenizer import SAFE_TEMPLATE_KWARGS as allowed
+            from engine.text.tokenizer import SAFE_TEMPLATE_KWARGS as allowed
         except ImportError:
             allowed = DEFAULT_SAFE_TEMPLATE_KWARGS
         for key in kwargs:

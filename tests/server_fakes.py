@@ -20,7 +20,7 @@ from openapi_schema_validator import OAS31Validator
 
 from engine.errors import EngineUnavailableError, InvalidRequestError, RequestRejectedError
 from engine.outputs import CompletionDelta, PositionLogprobs, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.stats import EngineStats
 
 VOCAB = 1000

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool, LRUEvictionPolicy, hash_block
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv.block_pool import BlockPool, LRUEvictionPolicy, hash_block
+from engine.kv.manager import KVCacheManager
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def make_req(rid: str, tokens: list[int], salt: str | None = None) -> Request:

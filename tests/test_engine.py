@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import batch_size_ladder
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
+from engine.worker.cuda_graphs import batch_size_ladder
 from tests.conftest import default_gguf_path
 from tests.model_utils import TINY_ARCHS, make_tiny_checkpoint
 
@@ -309,7 +309,7 @@ def test_request_traces_add_up_and_hold_no_text(tiny_dirs: dict[str, Path]) -> N
 def test_structured_output_follows_schema(tiny_dirs: dict[str, Path]) -> None:
     import json
 
-    from engine.sampling_params import StructuredOutputSpec
+    from engine.sampling.params import StructuredOutputSpec
 
     eng = tiny_engine(tiny_dirs["qwen3"])
     schema = {

@@ -1,4 +1,4 @@
-"""CPU test of loadtest/gpu_check.py: argument parsing, guarded sections, report writing.
+"""CPU test of benchmarks/gpu_check.py: argument parsing, guarded sections, report writing.
 
 ``--dry-run`` runs the kernel sections at tiny sizes under the Triton
 interpreter; the engine sections load the real model, so they are in a slow test.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loadtest import gpu_check
+from benchmarks import gpu_check
 
 
 def test_parse_args_defaults_and_errors() -> None:

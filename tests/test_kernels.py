@@ -4,7 +4,7 @@ attention backends against each other.
 Without CUDA the kernels run under the Triton CPU interpreter, which Triton
 selects when a kernel is decorated (``@triton.jit`` at kernel-module import),
 so ``TRITON_INTERPRET`` is set here before anything imports the kernels. With
-CUDA (``loadtest/gpu_check.py`` runs this file with ``TRITON_INTERPRET=0``)
+CUDA (``benchmarks/gpu_check.py`` runs this file with ``TRITON_INTERPRET=0``)
 the same tests run compiled kernels on the GPU.
 
 Tolerances are absolute+relative per dtype (``TOL``): fp32 near-exact (ieee
@@ -807,7 +807,7 @@ def test_q4_1_gguf_weights_quantize_back_to_the_same_blocks(default_model_path: 
     """Dequantized Q4_1 GGUF weights requantize to the file's blocks, bit for bit."""
     import numpy as np
 
-    from engine.loader import _dequantize, read_gguf
+    from engine.models.loader import _dequantize, read_gguf
 
     g = read_gguf(default_model_path)
     data = np.memmap(default_model_path, dtype=np.uint8, mode="r").view(np.ndarray)
@@ -831,7 +831,7 @@ def test_q4_1_gguf_weights_quantize_back_to_the_same_blocks(default_model_path: 
 
 
 def test_block_quant_linear_routes_by_rows(cpu_kernels: CpuKernels) -> None:
-    from engine.cpu_linear import BlockQuantLinear
+    from engine.models.linear import BlockQuantLinear
 
     g = torch.Generator().manual_seed(1)
     w, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)

@@ -26,15 +26,15 @@ from model_utils import (
 )
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.loader import (
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import (
     gguf_to_hf_name,
     iter_weights,
     load_model,
     load_model_config,
     resolve_model_path,
 )
-from engine.model_config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import get_model_class
 
 ATOL = 1e-4

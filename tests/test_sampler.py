@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler, filter_probs
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import Sampler, filter_probs
 
 
 def rq(rid: str = "r", **kw: object) -> Request:

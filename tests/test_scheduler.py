@@ -6,9 +6,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, RequestRejectedError
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv.manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 

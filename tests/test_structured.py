@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import StructuredOutputSpec
-from engine.structured import (
+from engine.sampling.grammar import (
     GrammarCompiler,
     GrammarState,
     allocate_bitmask,
     apply_bitmask,
     canonical_key,
 )
+from engine.sampling.params import StructuredOutputSpec
 from server.tool_parsers import get_tool_parser, validate_tool_calls
 
 pytestmark = pytest.mark.slow  # loads the real model's tokenizer from its GGUF (~15 s)

@@ -19,8 +19,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from engine.tokenizer import DEFAULT_TOOL_SYSTEM_PROMPT, SAFE_TEMPLATE_KWARGS, Tokenizer
+from engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.text.tokenizer import DEFAULT_TOOL_SYSTEM_PROMPT, SAFE_TEMPLATE_KWARGS, Tokenizer
 
 pytestmark = pytest.mark.slow
 

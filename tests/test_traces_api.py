@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.trace import RequestTrace, TraceRecorder, TraceStore
 from server.app import build_app
 from server.config import ServerConfig

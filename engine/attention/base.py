@@ -70,7 +70,7 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     # True when forward has no host syncs and no state carried between calls, so
-    # a captured replay (engine/cuda_graphs.py) recomputes it faithfully.
+    # a captured replay (engine/worker/cuda_graphs.py) recomputes it faithfully.
     graph_safe: bool = False
 
     @abstractmethod

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.model_config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.models.ops import ModelOps, RopeInputs, TorchModelOps
 from kernels.cpu_native import CpuKernels
 
@@ -278,8 +278,8 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def quantize_int8_for_cpu(self) -> int:
-        """Dynamic int8 linears (and logits projection); see engine/cpu_linear.py."""
-        from engine.cpu_linear import Int8DynamicLinear, quantize_linears
+        """Dynamic int8 linears (and logits projection); see engine/models/linear.py."""
+        from engine.models.linear import Int8DynamicLinear, quantize_linears
 
         n = quantize_linears(self.model)
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
@@ -288,8 +288,8 @@ class LlamaForCausalLM(nn.Module):
 
     def quantize_q4_1_for_cpu(self, kernels: CpuKernels) -> int:
         """Q4_1 linears and a Q8_0 logits projection (native kernels, small
-        batches; fp16 above): see ``BlockQuantLinear`` in engine/cpu_linear.py."""
-        from engine.cpu_linear import BlockQuantLinear, quantize_linears_blockwise
+        batches; fp16 above): see ``BlockQuantLinear`` in engine/models/linear.py."""
+        from engine.models.linear import BlockQuantLinear, quantize_linears_blockwise
         from kernels.quant_linear import Q4_1, Q8_0
 
         n = quantize_linears_blockwise(self.model, kernels, Q4_1)
@@ -300,8 +300,8 @@ class LlamaForCausalLM(nn.Module):
         return n + 1
 
     def pack_for_cpu(self, min_rows: int = 8) -> int:
-        """Prepack every linear (and the logits projection) for oneDNN; see engine/cpu_linear.py."""
-        from engine.cpu_linear import PackedLinear, pack_linears
+        """Prepack every linear (and the logits projection) for oneDNN; see engine/models/linear.py."""
+        from engine.models.linear import PackedLinear, pack_linears
 
         n = pack_linears(self.model, min_rows)
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight

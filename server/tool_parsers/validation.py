@@ -25,7 +25,7 @@ def validate_tool_calls(
     model's call is returned to the client as-is and each message is logged, as
     OpenAI does (the client is the judge of its own tools). Functions declared
     with ``strict: true`` are generated under a grammar built from their schema
-    (``engine.structured.GrammarCompiler.build_tool_call_spec``), so their
+    (``engine.sampling.grammar.GrammarCompiler.build_tool_call_spec``), so their
     arguments are valid by construction and a failure here signals a bug.
     """
     schemas: dict[str, Any] = {}

@@ -6,7 +6,7 @@ manager is the only code that changes reference counts.
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool, EvictionPolicy, KVBlock, hash_block
+from engine.kv.block_pool import BlockPool, EvictionPolicy, KVBlock, hash_block
 from engine.request import Request
 
 

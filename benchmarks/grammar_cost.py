@@ -2,7 +2,7 @@
 
 Prints the mean time of ``GrammarState.fill_bitmask`` and ``apply_bitmask`` for
 the SmolLM2 vocabulary (49,152), for batch rows 1 and 8, while walking a JSON
-schema grammar. Run: ``python -m loadtest.grammar_cost [--steps N]``.
+schema grammar. Run: ``python -m benchmarks.grammar_cost [--steps N]``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from engine.sampling_params import StructuredOutputSpec
-from engine.structured import GrammarCompiler, allocate_bitmask, apply_bitmask
+from engine.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
+from engine.sampling.params import StructuredOutputSpec
 
 SCHEMA = {
     "type": "object",

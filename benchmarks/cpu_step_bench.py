@@ -5,8 +5,8 @@ is its own engine in this process; they run alternately per batch size, so
 drift hits all of them. Reports wall and process-CPU milliseconds per decode
 step, best of ``--rounds``. Usage::
 
-    python -m loadtest.cpu_step_bench --batches 1,16,32 --steps 8
-    python -m loadtest.cpu_step_bench --configs int8,q4_1,q4_1:float16 --batches 1 --prompt-len 1100
+    python -m benchmarks.cpu_step_bench --batches 1,16,32 --steps 8
+    python -m benchmarks.cpu_step_bench --configs int8,q4_1,q4_1:float16 --batches 1 --prompt-len 1100
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def decode_cost(eng: LLMEngine, batch: int, steps: int, prompt_len: int) -> tuple[float, float]:

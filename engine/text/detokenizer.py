@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 # How many trailing prompt tokens serve as decoding context for the first
 # output tokens. A few are enough for any decoder to see the token boundary.

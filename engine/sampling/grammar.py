@@ -27,7 +27,7 @@ import xgrammar as xgr
 from xgrammar import structural_tag as xst
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import StructuredOutputSpec
+from engine.sampling.params import StructuredOutputSpec
 
 # Limits against hostile schemas; checked before compiling (cheap) and enforced by
 # a compile timeout for what slips through (expensive shapes with small text).

@@ -10,7 +10,7 @@ weights, q4_1's path above 8 rows) and ``onednn`` (prepacked fp32,
 they come from memory, not cache, as in a real step. Reports best-of-rounds
 milliseconds per pass and each one's ratio to native. Usage::
 
-    python -m loadtest.quant_linear_bench --rows 1,4,8,16,32,128
+    python -m benchmarks.quant_linear_bench --rows 1,4,8,16,32,128
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_linear import Fp16Linear, Int8DynamicLinear, PackedLinear
-from engine.loader import iter_weights, resolve_model_path
+from engine.models.linear import Fp16Linear, Int8DynamicLinear, PackedLinear
+from engine.models.loader import iter_weights, resolve_model_path
 from kernels.cpu_native import CpuKernels
 from kernels.quant_linear import QuantWeight, quantize_q4_1
 from loadtest.report import bench_record, write_json

@@ -5,7 +5,7 @@ slow for the small row counts of decode steps; oneDNN with a weight prepacked
 for its kernels is faster from about 8 rows up but slower for 1-4 rows. So
 each packed linear keeps the plain weight too and picks per call by row
 count. Memory for weights doubles (the packed copy); only one copy is read
-per call. Measured by ``loadtest/cpu_step_bench.py`` (docs/benchmarks/cpu.md).
+per call. Measured by ``benchmarks/cpu_step_bench.py`` (docs/benchmarks/cpu.md).
 """
 
 from __future__ import annotations

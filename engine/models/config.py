@@ -2,7 +2,7 @@
 
 ``ModelConfig`` holds exactly what our model implementations read. It is built
 either from a Hugging Face config (``from_hf_config``) or from GGUF metadata
-(``engine.loader.load_model_config``). Features our implementation cannot
+(``engine.models.loader.load_model_config``). Features our implementation cannot
 compute exactly (other activations, MLP biases, partial rotary, unknown RoPE
 scaling types) are rejected here with a ``ValueError`` rather than ignored.
 """

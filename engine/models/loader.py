@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.model_config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ attention, torch ops) and ``native`` (native attention and fused native
 norm/RoPE/SiLU ops, the CPU default). Reports wall ms per decode step (best of
 ``--rounds``). Usage::
 
-    python -m loadtest.attention_step_bench --points 1x100,1x1100,16x200,16x1100 --cpu-linear int8
+    python -m benchmarks.attention_step_bench --points 1x100,1x1100,16x200,16x1100 --cpu-linear int8
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import json
 
 import torch
 
+from benchmarks.cpu_step_bench import decode_cost
 from engine.attention.base import AttentionBackend, get_attention_backend
 from engine.attention.cpu_backend import CpuNativeAttentionBackend
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models.ops import ModelOps, NativeCpuModelOps, TorchModelOps
-from loadtest.cpu_step_bench import decode_cost
 
 
 def use(eng: LLMEngine, backend: AttentionBackend, ops: ModelOps) -> None:

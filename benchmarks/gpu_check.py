@@ -1,6 +1,6 @@
 """One-shot GPU check: kernel tests, kernel microbenchmarks, offline engine benchmarks.
 
-Run on a CUDA machine (``loadtest/gpu_check.sh``; about 8 minutes on one H200):
+Run on a CUDA machine (``benchmarks/gpu_check.sh``; about 8 minutes on one H200):
 
 1. ``pytest tests/test_kernels.py`` with compiled kernels (``TRITON_INTERPRET=0``);
 2. paged decode attention: achieved GB/s (KV read + q + out) against the HBM
@@ -399,7 +399,7 @@ def _free_memory() -> None:
 
 
 def section_throughput(args: argparse.Namespace, device: torch.device, sizes: Sizes) -> Section:
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     sec = Section(
         "Offline throughput (nano-vllm recipe)",
@@ -463,7 +463,7 @@ def _sync(device: torch.device) -> None:
 
 
 def section_decode(args: argparse.Namespace, device: torch.device, sizes: Sizes) -> Section:
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     sec = Section(
         "Decode speed",

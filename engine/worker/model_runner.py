@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.cuda_graphs import DecodeGraphs, GraphFactory
 from engine.outputs import PositionLogprobs, TokenLogprob
 from engine.request import Request
-from engine.sampler import GrammarMaskFn, Sampler, SamplerOutput
+from engine.sampling.sampler import GrammarMaskFn, Sampler, SamplerOutput
 from engine.scheduler import ScheduledRequest
+from engine.worker.cuda_graphs import DecodeGraphs, GraphFactory
 
 # Builds the grammar mask for the rows about to be sampled (None: no constraint).
 GrammarMaskFactory = Callable[[Sequence[Request]], GrammarMaskFn | None]
@@ -64,7 +64,7 @@ class ModelRunner:
     def enable_decode_graphs(
         self, sizes: list[int], max_model_len: int, graph_factory: GraphFactory
     ) -> None:
-        """Capture decode-only forwards at ``sizes`` (see engine/cuda_graphs.py).
+        """Capture decode-only forwards at ``sizes`` (see engine/worker/cuda_graphs.py).
 
         Raises:
             ValueError: the model's attention backend is not graph-safe.
