@@ -378,7 +378,7 @@ def _make_llm(device: torch.device, eager: bool, dry_run: bool) -> Any:
 
     cfg = EngineConfig(
         dtype="float32" if dry_run else "bfloat16",
-        device=device.type,
+        device="cuda" if device.type == "cuda" else "cpu",
         enforce_eager=eager,
         max_num_seqs=256,
         max_num_batched_tokens=16384,

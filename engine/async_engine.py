@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineUnavailableError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.request import RequestOptions
 from engine.sampling.params import SamplingParams
 from engine.stats import EngineStats
 
@@ -50,7 +51,7 @@ class _Add:
     params: SamplingParams
     stream: _Stream
     admitted: asyncio.Future[None]
-    kwargs: dict[str, Any]
+    options: RequestOptions
 
 
 @dataclass
@@ -103,6 +104,8 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.info.model_name
         self.max_model_len = self.engine.info.max_model_len
+        self.log_prompts = config.log_prompts
+        self.traces_enabled = config.enable_request_traces
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._stopping = False
         self._dead: BaseException | None = None
@@ -143,11 +146,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        latency_budget_ms: float | None = None,
-        ttft_budget_ms: float | None = None,
+        options: RequestOptions | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs. Errors at admission raise before the first item.
 
@@ -163,14 +162,15 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop)
         admitted: asyncio.Future[None] = loop.create_future()
-        kwargs = dict(
-            priority=priority,
-            cache_salt=cache_salt,
-            latency_budget_ms=latency_budget_ms,
-            ttft_budget_ms=ttft_budget_ms,
-        )
         self._commands.put(
-            _Add(request_id, list(prompt_token_ids), params, stream, admitted, kwargs)
+            _Add(
+                request_id,
+                list(prompt_token_ids),
+                params,
+                stream,
+                admitted,
+                options or RequestOptions(),
+            )
         )
         finished = False
         try:
@@ -210,7 +210,7 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             try:
                 eng.add_request(
-                    cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.stream, **cmd.kwargs
+                    cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.stream, cmd.options
                 )
             except Exception as e:  # admission said no: tell the caller
                 _resolve(cmd.stream.loop, cmd.admitted, exc=e)

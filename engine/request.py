@@ -19,6 +19,20 @@ from engine.outputs import RequestMetrics
 from engine.sampling.params import SamplingParams
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request options beyond sampling, as the server passes them to the engine.
+
+    One typed bundle instead of a keyword list repeated at every layer: a new
+    request extension is one field here (and its use where the engine reads it).
+    """
+
+    priority: int = 0  # lower runs sooner (vLLM's convention)
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    latency_budget_ms: float | None = None  # finish-by budget (admission and EDF)
+    ttft_budget_ms: float | None = None  # first-token budget (admission)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

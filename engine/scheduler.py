@@ -91,11 +91,16 @@ class Scheduler:
         self.clock = clock
         if ordering is None:
             ordering = (
-                PriorityOrdering() if config.scheduling_policy == "priority" else FCFSOrdering()
+                PriorityOrdering(aging_interval_s=config.aging_interval_s)
+                if config.scheduling_policy == "priority"
+                else FCFSOrdering()
             )
         self.ordering = ordering
         self.preemption = preemption or LowestPriorityLatestVictim()
-        self.admission = admission or PressureAwareAdmission()
+        self.admission = admission or PressureAwareAdmission(
+            kv_high_watermark=config.kv_pressure_watermark,
+            max_preemptions_per_s=config.kv_pressure_preemptions_per_s,
+        )
         self.predictor = LatencyPredictor()
         self.waiting: list[Request] = []
         self.running: list[Request] = []

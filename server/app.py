@@ -34,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine.errors import EngineUnavailableError, InvalidRequestError, RequestRejectedError
 from engine.outputs import PositionLogprobs, RequestOutput
+from engine.request import RequestOptions
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
 from server import __version__
 from server.config import ServerConfig
@@ -63,6 +64,8 @@ class EngineClient(Protocol):
     tokenizer: Any
     model_name: str
     max_model_len: int
+    log_prompts: bool
+    traces_enabled: bool
 
     async def start(self) -> None: ...
     async def shutdown(self) -> None: ...
@@ -71,11 +74,7 @@ class EngineClient(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        latency_budget_ms: float | None = None,
-        ttft_budget_ms: float | None = None,
+        options: RequestOptions | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
     async def abort(self, request_id: str) -> None: ...
     def get_stats(self) -> Any: ...
@@ -281,7 +280,7 @@ def resolve_tool_calling(
     except ImportError:
         raise ApiError(400, "tool calling is not available in this build", param="tools") from None
     parser_name = config.tool_call_parser or infer_tool_parser(
-        config.chat_template or getattr(engine.tokenizer, "chat_template", None)
+        getattr(engine.tokenizer, "chat_template", None)
     )
     try:
         parser = get_tool_parser(parser_name, body.tools)
@@ -367,6 +366,15 @@ def _output_budget(requested: int | None, prompt_len: int, max_model_len: int, w
     if prompt_len + requested > max_model_len:
         raise _context_error(max_model_len, prompt_len, requested, where)
     return requested
+
+
+def _request_options(body: SamplingFields) -> RequestOptions:
+    return RequestOptions(
+        priority=body.priority,
+        cache_salt=body.cache_salt,
+        latency_budget_ms=body.latency_budget_ms,
+        ttft_budget_ms=body.ttft_budget_ms,
+    )
 
 
 def _sampling_params(
@@ -839,7 +847,6 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
                     messages,
                     add_generation_prompt=add_generation_prompt,
                     tools=tools,
-                    chat_template=config.chat_template,
                     template_kwargs=kwargs,
                 )
             )
@@ -953,7 +960,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
         raise ApiError(499, "Client closed the request.")
 
     def log_prompt(rid: str, prompt: Any) -> None:
-        if config.log_prompts:
+        if state.engine is not None and state.engine.log_prompts:
             logger.info("request %s prompt=%r", rid, prompt)
 
     # ----------------------------------------------------------------- chat
@@ -995,10 +1002,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
                 prompt_ids,
                 params,
                 engine_rid,
-                priority=body.priority,
-                cache_salt=body.cache_salt,
-                latency_budget_ms=body.latency_budget_ms,
-                ttft_budget_ms=body.ttft_budget_ms,
+                _request_options(body),
             ),
         )
         await _start_streams([stream])
@@ -1256,10 +1260,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
                         ids,
                         params,
                         engine_rid,
-                        priority=body.priority,
-                        cache_salt=body.cache_salt,
-                        latency_budget_ms=body.latency_budget_ms,
-                        ttft_budget_ms=body.ttft_budget_ms,
+                        _request_options(body),
                     ),
                 )
             )
@@ -1566,7 +1567,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
     async def get_trace(trace_id: str, publish: bool = False) -> dict[str, Any]:
         """A request's trace (server/traces.py); ``publish=true``: the reviewed, stripped form."""
         engine = ready_engine()
-        if not config.enable_request_traces:
+        if not engine.traces_enabled:
             raise ApiError(
                 404,
                 "Request traces are off: start the server with --enable-request-traces.",

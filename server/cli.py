@@ -9,7 +9,6 @@ in-flight requests finish (up to ``--shutdown-timeout`` s), then exit 0.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
@@ -22,18 +21,41 @@ import uvicorn
 import yaml
 
 from engine.config import EngineConfig
-from server.config import ServerConfig, parse_bytes
+from engine.settings import FieldSpec, coerce, field_specs
+from server.config import ServerConfig
 
 logger = logging.getLogger("fuel_serve.cli")
 
 DEFAULTS_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
-_SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerConfig)}
-_BYTE_FIELDS = {"kv_cache_memory", "max_body_bytes"}
+_ENGINE_SPECS = {s.name: s for s in field_specs(EngineConfig)}
+_SERVER_SPECS = {s.name: s for s in field_specs(ServerConfig)}
+_ALL_SPECS = {**_ENGINE_SPECS, **_SERVER_SPECS}
 
 
-def _bool_flag(parser: argparse._ActionsContainer, name: str, help_text: str) -> None:
-    parser.add_argument(name, action=argparse.BooleanOptionalAction, help=help_text)
+def _add_flag(group: argparse._ActionsContainer, spec: FieldSpec) -> None:
+    """One flag, derived from the field's type (see engine/settings.py)."""
+    help_text = spec.help
+    if spec.base is bool and not spec.is_list:
+        group.add_argument(
+            spec.flag, dest=spec.name, action=argparse.BooleanOptionalAction, help=help_text
+        )
+        return
+    kwargs: dict[str, Any] = {"dest": spec.name, "help": help_text}
+    if spec.choices is not None:
+        kwargs["choices"] = list(spec.choices)
+    if spec.is_list:
+        kwargs["nargs"] = "+"
+    if spec.kind == "plain" and spec.base in (int, float) and not spec.is_list:
+        kwargs["type"] = spec.base
+    if spec.default is not None and spec.default != [] and help_text:
+        kwargs["help"] = f"{help_text} (default: {_show(spec.default)})"
+    group.add_argument(spec.flag, **kwargs)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,90 +69,43 @@ def build_parser() -> argparse.ArgumentParser:
         "model", nargs="?", help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)."
     )
     p.add_argument("--config", help="YAML file of settings (keys = flag names with underscores).")
+    p.add_argument(
+        "--print-defaults",
+        action="store_true",
+        help="Print every setting with its default as YAML (configs/default.yaml) and exit.",
+    )
     g = p.add_argument_group("server")
-    g.add_argument("--host", help="Interface to bind (default 127.0.0.1).")
-    g.add_argument("--port", type=int, help="Port to bind (default 8000).")
-    g.add_argument(
-        "--served-model-name", nargs="+", help="Model name(s) clients use; the first is reported."
-    )
-    g.add_argument(
-        "--api-key", help="Require 'Authorization: Bearer KEY' on every route but /health."
-    )
-    g.add_argument("--chat-template", help="Jinja chat template file overriding the model's.")
-    g.add_argument(
-        "--max-body-bytes", type=parse_bytes, help="Largest request body (default 8MiB)."
-    )
-    g.add_argument(
-        "--shutdown-timeout", type=float, help="Seconds in-flight requests get on SIGTERM."
-    )
-    g.add_argument("--tool-call-parser", help="Tool-call parser name (e.g. hermes).")
-    _bool_flag(
-        g, "--enable-auto-tool-choice", "Let the model decide to call tools (tool_choice=auto)."
-    )
-    _bool_flag(g, "--log-prompts", "Log prompts and outputs (off: metadata only).")
-    _bool_flag(g, "--enable-request-traces", "Record per-request traces.")
-    _bool_flag(g, "--enable-debug-endpoints", "Expose GET /debug/engine (engine stats).")
-    g.add_argument(
-        "--uvicorn-log-level",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="Log level (default info).",
-    )
-    _bool_flag(g, "--log-json", "Log one JSON object per line.")
+    for spec in _SERVER_SPECS.values():
+        if spec.cli:
+            _add_flag(g, spec)
     e = p.add_argument_group("engine")
-    e.add_argument("--tokenizer", help="Tokenizer directory (default: the model's).")
-    e.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
-        help="Weights/activations dtype.",
-    )
-    e.add_argument(
-        "--kv-cache-dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
-        help="KV cache element type (auto: the model's dtype). float16 halves the cache and, "
-        "on the CPU, the bytes each decode step reads; fp8 is not supported.",
-    )
-    e.add_argument("--device", choices=["auto", "cpu", "cuda"], help="Device to run on.")
-    e.add_argument("--seed", type=int, help="Global random seed.")
-    e.add_argument("--max-model-len", type=int, help="Context window (default: the model's).")
-    e.add_argument("--block-size", type=int, help="Tokens per KV cache block.")
-    e.add_argument(
-        "--kv-cache-memory", type=parse_bytes, help="KV cache bytes on CPU (e.g. 1GiB, 512MiB)."
-    )
-    e.add_argument(
-        "--gpu-memory-utilization", type=float, help="Fraction of GPU memory to use (CUDA)."
-    )
-    e.add_argument("--num-gpu-blocks-override", type=int, help="Force the number of KV blocks.")
-    e.add_argument("--max-num-seqs", type=int, help="Most sequences in one batch.")
-    e.add_argument("--max-num-batched-tokens", type=int, help="Most tokens in one step.")
-    _bool_flag(e, "--enable-chunked-prefill", "Split long prefills across steps.")
-    _bool_flag(e, "--enable-prefix-caching", "Reuse KV blocks of shared prompt prefixes.")
-    e.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="Waiting-queue order.")
-    e.add_argument("--max-waiting-requests", type=int, help="Queue length before 429s.")
-    e.add_argument(
-        "--attention-backend",
-        choices=["auto", "torch", "triton", "cpu"],
-        help="Attention implementation: auto = triton on CUDA, cpu (native decode kernel and "
-        "fused norm/RoPE/SiLU ops, built on first use) on the CPU, torch where that cannot "
-        "be built.",
-    )
-    e.add_argument(
-        "--enforce-eager", action="store_true", help="Disable graph capture / compilation."
-    )
-    e.add_argument("--num-threads", type=int, help="CPU threads for torch.")
-    e.add_argument(
-        "--cpu-linear",
-        choices=["auto", "torch", "onednn", "int8", "q4_1"],
-        help="CPU matmuls: oneDNN-prepacked fp32 weights (auto: when available), plain torch, "
-        "int8 (dynamic int8 quantization: much faster, approximate; opt-in), or q4_1 "
-        "(llama.cpp's Q4_1 blocks, Q8_0 logits, native kernels for steps of up to 8 rows, fp16 "
-        "above: fastest for few streams, near-exact; a Q4_1 GGUF keeps its exact weights).",
-    )
-    _bool_flag(e, "--debug-invariants", "Check scheduler/KV invariants every step (slow).")
-    e.add_argument("--max-logprobs", type=int, help="Largest logprobs/top_logprobs accepted.")
-    e.add_argument(
-        "--max-traces", type=int, help="Request traces kept in memory (--enable-request-traces)."
-    )
+    for spec in _ENGINE_SPECS.values():
+        if spec.cli:
+            _add_flag(e, spec)
     return p
+
+
+def defaults_yaml() -> str:
+    """``configs/default.yaml``: every setting, its default and its help, from the dataclasses."""
+    lines = [
+        "# Fuel Serve defaults, loaded by `fuel-serve` before --config FILE.yaml and CLI flags",
+        "# (precedence: CLI flag > --config file > this file). Keys are the flag names with",
+        "# underscores. Sizes accept byte counts or 1GiB / 512MiB style strings.",
+        "# Generated from engine/config.py and server/config.py: `fuel-serve --print-defaults`.",
+    ]
+    for title, specs in (
+        ("engine (engine/config.py EngineConfig)", _ENGINE_SPECS),
+        ("server (server/config.py ServerConfig)", _SERVER_SPECS),
+    ):
+        lines += ["", f"# --- {title} ---"]
+        for spec in specs.values():
+            value = yaml.safe_dump(spec.default, default_flow_style=True).strip()
+            value = value.removesuffix("\n...").strip()
+            note = spec.help
+            if spec.choices is not None:
+                note = f"{' | '.join(spec.choices)}. {note}"
+            lines.append(f"{spec.name}: {value}  # {note}" if note else f"{spec.name}: {value}")
+    return "\n".join(lines) + "\n"
 
 
 def _load_yaml(path: Path) -> dict[str, Any]:
@@ -140,15 +115,18 @@ def _load_yaml(path: Path) -> dict[str, Any]:
         raise SystemExit(f"fuel-serve: {path} must hold a mapping of settings")
     # Accept flag spelling (api-key) as well as field spelling (api_key).
     normalized = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(normalized) - _ENGINE_FIELDS - _SERVER_FIELDS)
+    unknown = sorted(set(normalized) - set(_ALL_SPECS))
     if unknown:
         raise SystemExit(f"fuel-serve: unknown setting(s) in {path}: {', '.join(unknown)}")
     return normalized
 
 
 def resolve_settings(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Merged settings dict (defaults file < --config file < flags), byte sizes parsed."""
+    """Merged settings dict (defaults file < --config file < flags), values typed."""
     args = vars(build_parser().parse_args(argv))
+    if args.pop("print_defaults", False):
+        sys.stdout.write(defaults_yaml())
+        raise SystemExit(0)
     settings: dict[str, Any] = {}
     if DEFAULTS_PATH.exists():
         settings.update(_load_yaml(DEFAULTS_PATH))
@@ -156,33 +134,22 @@ def resolve_settings(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if config_file is not None:
         settings.update(_load_yaml(Path(config_file)))
     settings.update(args)
-    for key in _BYTE_FIELDS:
-        if key in settings and settings[key] is not None:
-            try:
-                settings[key] = parse_bytes(settings[key])
-            except ValueError as exc:
-                raise SystemExit(f"fuel-serve: {key}: {exc}") from None
+    for key, value in list(settings.items()):
+        try:
+            settings[key] = coerce(_ALL_SPECS[key], value)
+        except ValueError as exc:
+            raise SystemExit(f"fuel-serve: {_ALL_SPECS[key].flag}: {exc}") from None
     return settings
 
 
 def build_configs(settings: dict[str, Any]) -> tuple[EngineConfig, ServerConfig]:
-    """Split merged settings into the two dataclasses; reads the chat template file."""
-    engine_kw = {k: v for k, v in settings.items() if k in _ENGINE_FIELDS and k != "chat_template"}
-    server_kw = {k: v for k, v in settings.items() if k in _SERVER_FIELDS}
-    template_path = settings.get("chat_template")
-    template_text: str | None = None
-    if template_path:
-        try:
-            template_text = Path(template_path).read_text()
-        except OSError as exc:
-            raise SystemExit(
-                f"fuel-serve: cannot read --chat-template {template_path}: {exc}"
-            ) from None
-    server_kw["chat_template"] = template_text
-    names = server_kw.get("served_model_name")
-    server_kw["served_model_name"] = [names] if isinstance(names, str) else list(names or [])
-    engine_cfg = EngineConfig(**engine_kw, chat_template=template_text)
-    return engine_cfg, ServerConfig(**server_kw)
+    """Split merged settings into the two dataclasses (each validates itself)."""
+    engine_kw = {k: v for k, v in settings.items() if k in _ENGINE_SPECS}
+    server_kw = {k: v for k, v in settings.items() if k in _SERVER_SPECS}
+    try:
+        return EngineConfig(**engine_kw), ServerConfig(**server_kw)
+    except ValueError as exc:
+        raise SystemExit(f"fuel-serve: {exc}") from None
 
 
 class DrainingServer(uvicorn.Server):
@@ -226,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine_cfg, server_cfg = build_configs(settings)
     from server.logging_setup import configure_logging
 
-    configure_logging(server_cfg.log_json, server_cfg.uvicorn_log_level, server_cfg.log_prompts)
+    configure_logging(server_cfg.log_json, server_cfg.uvicorn_log_level, engine_cfg.log_prompts)
     from engine.async_engine import AsyncEngine  # heavy import: after argument errors
     from server.app import build_app
 

@@ -1,11 +1,23 @@
-"""Server-side settings (everything that is not the engine's ``EngineConfig``)."""
+"""Server-side settings (everything that is not the engine's ``EngineConfig``).
+
+Declared like ``EngineConfig`` (see engine/settings.py): the CLI flags, the
+defaults file and validation are derived from these fields. A setting lives
+in exactly one of the two: the engine owns what it reads (chat template,
+traces, prompt logging), the server what only the front door needs.
+"""
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
+
+from engine.settings import parse_bytes, setting, validate_fields
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerConfig", "parse_bytes"]
 
 
 @dataclass
@@ -14,49 +26,36 @@ class ServerConfig:
 
     ``served_model_name``: names clients may send as ``model``; empty means the
     engine's own ``model_name``. The first name is the one responses report.
-    ``chat_template``: template *text* (the CLI reads the file) or None for the model's.
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer KEY``.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: list[str] = field(default_factory=list)
-    api_key: str | None = None
-    chat_template: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    shutdown_timeout: float = 30.0
-    tool_call_parser: str | None = None
-    enable_auto_tool_choice: bool = False
-    log_prompts: bool = False
-    enable_request_traces: bool = False
-    enable_debug_endpoints: bool = False
-    uvicorn_log_level: str = "info"
-    log_json: bool = False
-    retry_after_draining_s: float = 5.0
+    host: str = setting("127.0.0.1", "Interface to bind.")
+    port: int = setting(8000, "Port to bind.", minimum=0, maximum=65535)
+    served_model_name: list[str] = setting(
+        help="Model name(s) clients use; the first is reported (default: the model's).",
+        default_factory=list,
+    )
+    api_key: str | None = setting(
+        None, "Require 'Authorization: Bearer KEY' on every route but /health."
+    )
+    max_body_bytes: int = setting(
+        DEFAULT_MAX_BODY_BYTES, "Largest request body (e.g. 8MiB).", kind="bytes", minimum=1
+    )
+    shutdown_timeout: float = setting(
+        30.0, "Seconds in-flight requests get on SIGTERM.", minimum=0.0
+    )
+    tool_call_parser: str | None = setting(
+        None, "Tool-call parser name (e.g. hermes; default: inferred from the chat template)."
+    )
+    enable_auto_tool_choice: bool = setting(
+        False, "Let the model decide to call tools (tool_choice=auto)."
+    )
+    enable_debug_endpoints: bool = setting(False, "Expose GET /debug/engine (engine stats).")
+    uvicorn_log_level: LogLevel = setting("info", "Log level.")
+    log_json: bool = setting(False, "Log one JSON object per line.")
+    retry_after_draining_s: float = setting(
+        5.0, "Retry-After sent with 503s while draining.", minimum=0.0
+    )
 
-
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(value: str | int) -> int:
-    """Parse a byte count: ``1073741824``, ``1GiB``, ``512MiB``, ``2G``, ``1.5GB``.
-
-    ``KiB/MiB/GiB/TiB`` (and bare ``K/M/G/T``) are powers of 1024; ``KB/MB/GB/TB``
-    are powers of 1000, as the units say. Raises ``ValueError`` on anything else.
-    """
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"byte count must be non-negative, got {value}")
-        return value
-    m = _SIZE_RE.match(value)
-    if m is None:
-        raise ValueError(f"cannot parse byte count {value!r} (try 1GiB, 512MiB, 1000000)")
-    number, unit, binary = m.group(1), m.group(2).upper(), m.group(3)
-    exponent = "KMGT".find(unit) + 1 if unit else 0
-    # A bare "G" means GiB (as vLLM and most CLIs read it); "GB" means 10^9.
-    explicit_decimal = bool(unit) and not binary and value.strip().upper().endswith("B")
-    base = 1000 if explicit_decimal else 1024
-    result = float(number) * base**exponent
-    if result != int(result):
-        raise ValueError(f"byte count {value!r} is not a whole number of bytes")
-    return int(result)
+    def __post_init__(self) -> None:
+        validate_fields(self)

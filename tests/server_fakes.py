@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from openapi_schema_validator import OAS31Validator
 
 from engine.errors import EngineUnavailableError, InvalidRequestError, RequestRejectedError
 from engine.outputs import CompletionDelta, PositionLogprobs, RequestOutput, TokenLogprob
+from engine.request import RequestOptions
 from engine.sampling.params import SamplingParams
 from engine.stats import EngineStats
 
@@ -78,6 +80,8 @@ class FakeEngine:
     reply: str = "Hello world"
     max_model_len: int = 128
     model_name: str = "fake-model"
+    log_prompts: bool = False
+    traces_enabled: bool = False
     step_delay: float = 0.0
     fail_first: BaseException | None = None
     fail_after: int | None = None
@@ -118,23 +122,15 @@ class FakeEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        latency_budget_ms: float | None = None,
-        ttft_budget_ms: float | None = None,
+        options: RequestOptions | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        opts = options or RequestOptions()
         self.calls.append(
             Call(
                 list(prompt_token_ids),
                 params,
                 request_id,
-                {
-                    "priority": priority,
-                    "cache_salt": cache_salt,
-                    "latency_budget_ms": latency_budget_ms,
-                    "ttft_budget_ms": ttft_budget_ms,
-                },
+                dataclasses.asdict(opts),
             )
         )
         if self.fail_first is not None:

@@ -138,7 +138,7 @@ def test_float16_kv_cache_and_q4_1_linears_run_batched(
     if cpu_linear == "auto":
         assert batched == want
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
-    with pytest.raises(ValueError, match="unknown dtype"):
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype: .fp8. is not one of"):
         tiny_engine(model_dir, kv_cache_dtype="fp8")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from server.cli import DEFAULTS_PATH, build_configs, build_parser, resolve_settings
+from server.cli import DEFAULTS_PATH, build_configs, build_parser, defaults_yaml, resolve_settings
 from server.config import ServerConfig, parse_bytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,8 +55,42 @@ def test_defaults_file_matches_dataclasses() -> None:
 
 def test_every_engine_field_reachable_from_flags() -> None:
     dests = {a.dest for a in build_parser()._actions}
-    for f in dataclasses.fields(EngineConfig):
-        assert f.name in dests, f"EngineConfig.{f.name} has no flag"
+    for cls in (EngineConfig, ServerConfig):
+        for f in dataclasses.fields(cls):
+            assert f.name in dests, f"{cls.__name__}.{f.name} has no flag"
+
+
+def test_defaults_file_is_generated_from_the_dataclasses() -> None:
+    """configs/default.yaml is exactly what ``fuel-serve --print-defaults`` writes."""
+    assert DEFAULTS_PATH.read_text() == defaults_yaml(), (
+        "configs/default.yaml is stale: regenerate it with `fuel-serve --print-defaults`"
+    )
+
+
+def test_no_setting_in_both_configs() -> None:
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    server = {f.name for f in dataclasses.fields(ServerConfig)}
+    assert engine.isdisjoint(server), engine & server
+
+
+def test_literal_choices_are_flag_choices_and_validated() -> None:
+    actions = {a.dest: a for a in build_parser()._actions}
+    assert actions["kv_cache_dtype"].choices == ["auto", "float32", "float16", "bfloat16"]
+    assert actions["attention_backend"].choices == ["auto", "torch", "triton", "cpu"]
+    with pytest.raises(ValueError, match="--attention-backend: 'cuda' is not one of"):
+        EngineConfig(attention_backend="cuda")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--max-num-seqs: must be at least 1"):
+        EngineConfig(max_num_seqs=0)
+
+
+def test_bad_yaml_value_names_the_flag(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max_num_seqs: lots\n")
+    with pytest.raises(SystemExit, match="--max-num-seqs"):
+        resolve_settings(["--config", str(cfg)])
+    cfg.write_text("dtype: float8\n")
+    with pytest.raises(SystemExit, match="--dtype: 'float8' is not one of"):
+        build_configs(resolve_settings(["--config", str(cfg)]))
 
 
 def test_precedence_cli_over_file_over_defaults(tmp_path: Path) -> None:
@@ -102,7 +136,8 @@ def test_flags_map_to_configs(tmp_path: Path) -> None:
     assert engine_cfg.model == "m.gguf" and engine_cfg.max_model_len == 512
     assert not engine_cfg.enable_prefix_caching and engine_cfg.enable_chunked_prefill
     assert engine_cfg.enforce_eager and engine_cfg.scheduling_policy == "fcfs"
-    assert engine_cfg.chat_template == server_cfg.chat_template == tpl.read_text()
+    assert engine_cfg.chat_template == str(tpl)  # the engine reads it at start-up
+    assert not hasattr(server_cfg, "chat_template")  # one owner per setting
     assert server_cfg.served_model_name == ["a", "b"]
     assert server_cfg.shutdown_timeout == 3.0 and server_cfg.enable_debug_endpoints
 

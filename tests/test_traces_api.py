@@ -18,6 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.outputs import RequestOutput
+from engine.request import RequestOptions
 from engine.sampling.params import SamplingParams
 from engine.trace import RequestTrace, TraceRecorder, TraceStore
 from server.app import build_app
@@ -48,7 +49,7 @@ class TracingFakeEngine(FakeEngine):
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-        **kwargs: Any,
+        options: RequestOptions | None = None,
     ) -> AsyncIterator[RequestOutput]:
         rids = [f"{request_id}-{i}" for i in range(params.n)] if params.n > 1 else [request_id]
         t = time.monotonic()
@@ -57,7 +58,7 @@ class TracingFakeEngine(FakeEngine):
             self.tracer.on_scheduled(rid, t)
         outputs: dict[int, list[int]] = {i: [] for i in range(params.n)}
         first = True
-        async for out in super().generate(prompt_token_ids, params, request_id, **kwargs):
+        async for out in super().generate(prompt_token_ids, params, request_id, options):
             for d in out.outputs:
                 rid = rids[d.index]
                 if first:
@@ -76,7 +77,18 @@ class TracingFakeEngine(FakeEngine):
             yield out
 
 
-def make_client(engine: FakeEngine, **cfg: Any) -> TestClient:
+def make_client(
+    engine: FakeEngine,
+    *,
+    enable_request_traces: bool = False,
+    log_prompts: bool = False,
+    **cfg: Any,
+) -> TestClient:
+    # Traces and prompt logging are engine settings: the server asks its engine.
+    engine.traces_enabled = enable_request_traces
+    engine.log_prompts = log_prompts
+    if isinstance(engine, TracingFakeEngine):
+        engine.tracer = TraceRecorder(engine.traces, log_prompts=log_prompts)
     return TestClient(build_app(engine, ServerConfig(**cfg)))
 
 

@@ -344,6 +344,10 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template
 
+    def override_chat_template(self, template: str) -> None:
+        """Use ``template`` (Jinja text) instead of the model's own (``--chat-template``)."""
+        self._chat_template = template
+
     @property
     def hf_tokenizer(self) -> PreTrainedTokenizerBase:
         """The wrapped transformers tokenizer (read-only use, e.g. for grammars)."""
