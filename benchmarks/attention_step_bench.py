@@ -18,8 +18,9 @@ import json
 import torch
 
 from benchmarks.cpu_step_bench import decode_cost
-from engine.attention.base import AttentionBackend, get_attention_backend
+from engine.attention.base import AttentionBackend
 from engine.attention.cpu_backend import CpuNativeAttentionBackend
+from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models.ops import ModelOps, NativeCpuModelOps, TorchModelOps

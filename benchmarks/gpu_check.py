@@ -1,15 +1,14 @@
 """One-shot GPU check: kernel tests, kernel microbenchmarks, offline engine benchmarks.
 
-Run on a CUDA machine (``benchmarks/gpu_check.sh``; about 8 minutes on one H200):
+Run on a CUDA machine (``loadtest/gpu_check.sh``; about 8 minutes on one H200):
 
 1. ``pytest tests/test_kernels.py`` with compiled kernels (``TRITON_INTERPRET=0``);
 2. paged decode attention: achieved GB/s (KV read + q + out) against the HBM
    peak, the Triton kernel vs the torch backend, split-K on vs off;
-3. fused ops (RMSNorm + residual, rotary, SiLU-and-mul): Triton vs eager torch;
-4. offline throughput on the default model in bf16 with nano-vllm's recipe
+3. offline throughput on the default model in bf16 with nano-vllm's recipe
    (256 sequences, input and output lengths uniform in 100..1024, random token
    ids, ignore_eos, seed 0), with CUDA graphs;
-5. decode speed at batch 1, 32 and 256, eager and with CUDA graphs.
+4. decode speed at batch 1, 32 and 256, eager and with CUDA graphs.
 
 Every section is guarded: a failure is written into the report and the next
 section runs. The report is a markdown file (``$OUT/gpu.md``, else
@@ -41,7 +40,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # H200 HBM3e peak bandwidth, the roofline for memory-bound decode attention.
 HBM_PEAK_GBPS = 4800.0
-SECTIONS = ("pytest", "attention", "fused", "throughput", "decode")
+SECTIONS = ("pytest", "attention", "throughput", "decode")
 
 
 @dataclass
@@ -61,8 +60,6 @@ class Sizes:
     """Problem sizes of the benchmarks (full on GPU, tiny for ``--dry-run``)."""
 
     attn_cases: list[tuple[str, int, int, int, int, int]]  # name, batch, ctx, Hq, Hkv, D
-    fused_tokens: int
-    fused_shapes: list[tuple[str, int, int, int, int, int]]  # name, hidden, inter, Hq, Hkv, D
     tp_num_seqs: int
     tp_len_range: tuple[int, int]
     decode_batches: list[int]
@@ -77,8 +74,6 @@ def full_sizes(args: argparse.Namespace) -> Sizes:
             ("gqa 32/8x128", 64, 2048, 32, 8, 128),
             ("few long 32/8x128", 4, 32768, 32, 8, 128),
         ],
-        fused_tokens=8192,
-        fused_shapes=[("smollm2", 576, 1536, 9, 3, 64), ("8b-like", 4096, 14336, 32, 8, 128)],
         tp_num_seqs=args.num_seqs,
         tp_len_range=(100, 1024),
         decode_batches=[1, 32, 256],
@@ -90,8 +85,6 @@ def full_sizes(args: argparse.Namespace) -> Sizes:
 def dry_sizes(args: argparse.Namespace) -> Sizes:
     return Sizes(
         attn_cases=[("tiny 4/2x32", 2, 40, 4, 2, 32)],
-        fused_tokens=4,
-        fused_shapes=[("tiny", 64, 48, 4, 2, 16)],
         tp_num_seqs=min(args.num_seqs, 2),
         tp_len_range=(4, 8),
         decode_batches=[1, 2],
@@ -137,8 +130,8 @@ def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: 
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         for _ in range(iters):
             fn()
@@ -299,79 +292,6 @@ def section_attention(args: argparse.Namespace, device: torch.device, sizes: Siz
     return sec
 
 
-FusedCase = tuple[str, str, Callable[[], object], Callable[[], object]]
-
-
-def _fused_cases(
-    n: int,
-    hidden: int,
-    inter: int,
-    hq: int,
-    hkv: int,
-    d: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[FusedCase]:
-    """(op, shape, triton call, torch call) for one model shape at ``n`` tokens."""
-    from kernels import fused_ops as f
-
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, device=device).to(dtype)
-
-    x, r, w = rnd(n, hidden), rnd(n, hidden), rnd(hidden)
-    gate_up = rnd(n, 2 * inter)
-    q, k = rnd(n, hq * d), rnd(n, hkv * d)
-    positions = torch.arange(n, device=device) % 4096
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device).float() / d))
-    freqs = torch.arange(4096, device=device).float()[:, None] * inv[None, :]
-    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    return [
-        (
-            "rms_norm",
-            f"{n}x{hidden}",
-            lambda: f.rms_norm(x, w, 1e-5),
-            lambda: f.rms_norm_ref(x, w, 1e-5),
-        ),
-        (
-            "rms_norm + residual",
-            f"{n}x{hidden}",
-            lambda: f.rms_norm(x, w, 1e-5, r),
-            lambda: f.rms_norm_ref(x, w, 1e-5, r),
-        ),
-        (
-            "rotary (neox)",
-            f"{n} x ({hq}+{hkv})x{d}",
-            lambda: f.rotary_embedding(positions, q, k, cache, d),
-            lambda: f.rotary_embedding_ref(positions, q, k, cache, d),
-        ),
-        (
-            "silu_and_mul",
-            f"{n}x{2 * inter}",
-            lambda: f.silu_and_mul(gate_up),
-            lambda: f.silu_and_mul_ref(gate_up),
-        ),
-    ]
-
-
-def section_fused(args: argparse.Namespace, device: torch.device, sizes: Sizes) -> Section:
-    sec = Section("Fused ops vs eager torch", ["op", "shape", "triton us", "torch us", "winner"])
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    iters, warmup = (2, 1) if args.dry_run else (50, 10)
-    for name, hidden, inter, hq, hkv, d in sizes.fused_shapes:
-        cases = _fused_cases(sizes.fused_tokens, hidden, inter, hq, hkv, d, dtype, device)
-        for op, shape, tri, ref in cases:
-            ms_t = time_ms(tri, device, iters, warmup)
-            ms_r = time_ms(ref, device, iters, warmup)
-            winner = "triton" if ms_t < ms_r else "torch"
-            sec.rows.append(
-                [f"{op} ({name})", shape, f"{ms_t * 1e3:.1f}", f"{ms_r * 1e3:.1f}", winner]
-            )
-    sec.notes.append(f"{dtype}; torch = the eager *_ref implementations. Keep only the winners.")
-    return sec
-
-
 def _make_llm(device: torch.device, eager: bool, dry_run: bool) -> Any:
     from engine.config import EngineConfig
     from engine.llm import LLM
@@ -511,7 +431,6 @@ def section_decode(args: argparse.Namespace, device: torch.device, sizes: Sizes)
 SECTION_FUNCS: dict[str, Callable[[argparse.Namespace, torch.device, Sizes], Section]] = {
     "pytest": section_pytest,
     "attention": section_attention,
-    "fused": section_fused,
     "throughput": section_throughput,
     "decode": section_decode,
 }

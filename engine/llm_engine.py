@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from engine.attention.base import get_attention_backend
 from engine.attention.cpu_backend import CpuNativeAttentionBackend
+from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv.manager import KVCacheManager

@@ -14,8 +14,8 @@ import triton.language as tl
 from kernels._common import check_launchable, next_pow2
 
 
-@triton.jit
-def _store_kvcache_kernel(
+@triton.jit  # type: ignore[untyped-decorator,misc,unused-ignore]
+def _store_kvcache_kernel(  # type: ignore[no-untyped-def]
     k_ptr,
     v_ptr,
     k_cache_ptr,

@@ -37,8 +37,8 @@ _MAX_KV_SPLITS = 64
 _MIN_SPLIT_TOKENS = 256
 
 
-@triton.jit
-def _attn_kernel(
+@triton.jit  # type: ignore[untyped-decorator,misc,unused-ignore]
+def _attn_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -196,8 +196,8 @@ def _attn_kernel(
         tl.store(part_lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
-def _reduce_splits_kernel(
+@triton.jit  # type: ignore[untyped-decorator,misc,unused-ignore]
+def _reduce_splits_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -251,12 +251,12 @@ def choose_num_kv_splits(
     if kv_split_size is not None:
         if kv_split_size < 1:
             raise ValueError(f"kv_split_size must be positive, got {kv_split_size}")
-        return max(1, min(triton.cdiv(max_seq_len, kv_split_size), _MAX_KV_SPLITS))
+        return max(1, min(int(triton.cdiv(max_seq_len, kv_split_size)), _MAX_KV_SPLITS))
     if device.type != "cuda" or num_decodes == 0:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(2 * sms, num_decodes * num_kv_heads)
-    by_length = triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS)
+    wanted = int(triton.cdiv(2 * sms, num_decodes * num_kv_heads))
+    by_length = int(triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS))
     return max(1, min(wanted, by_length, _MAX_KV_SPLITS))
 
 

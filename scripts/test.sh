@@ -7,6 +7,7 @@ if [ -x scripts/install-prometheus.sh ]; then ./scripts/install-prometheus.sh; f
 . .venv/bin/activate
 echo "== ruff"; ruff check . && ruff format --check .
 echo "== mypy"; mypy
+echo "== import-linter"; lint-imports
 echo "== pytest"
 # The Triton kernels run on the CPU interpreter in tests.
 export TRITON_INTERPRET=1

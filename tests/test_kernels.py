@@ -27,22 +27,15 @@ from typing import Any
 import pytest
 from triton.runtime.interpreter import InterpretedFunction
 
-from engine.attention.base import AttentionMetadata, get_attention_backend
+from engine.attention.base import AttentionMetadata
 from engine.attention.cpu_backend import CpuNativeAttentionBackend
+from engine.attention.registry import get_attention_backend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
 from engine.models.ops import NativeCpuModelOps, RopeInputs, TorchModelOps
-from kernels import cache_write, cpu_native, fused_ops, paged_attention
+from kernels import cache_write, cpu_native, paged_attention
 from kernels.cache_write import store_kvcache, store_kvcache_ref
 from kernels.cpu_native import CpuKernels, NativeBuildError
-from kernels.fused_ops import (
-    rms_norm,
-    rms_norm_ref,
-    rotary_embedding,
-    rotary_embedding_ref,
-    silu_and_mul,
-    silu_and_mul_ref,
-)
 from kernels.paged_attention import (
     choose_num_kv_splits,
     paged_attention_ref,
@@ -75,9 +68,6 @@ def test_interpreter_really_active() -> None:
         paged_attention._attn_kernel,
         paged_attention._reduce_splits_kernel,
         cache_write._store_kvcache_kernel,
-        fused_ops._rms_norm_kernel,
-        fused_ops._rope_kernel,
-        fused_ops._silu_and_mul_kernel,
     ]
     for kernel in kernels:
         assert isinstance(kernel, InterpretedFunction) == (DEVICE.type == "cpu"), kernel
@@ -350,78 +340,6 @@ def test_torch_backend_matches_ref(dtype: torch.dtype) -> None:
     store_kvcache_ref(b.k, b.v, ref_batch.k_cache, ref_batch.v_cache, b.meta.slot_mapping)
     want = paged_attention_ref(*ref_batch.attn_args())
     _assert_close(got, want, dtype)
-
-
-# ------------------------------------------------------------------ fused ops
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 3, 96, generator=g).to(DEVICE, dtype)
-    w = torch.randn(96, generator=g).to(DEVICE, dtype)
-    r = torch.randn(5, 3, 96, generator=g).to(DEVICE, dtype) if with_residual else None
-    x0 = x.clone()
-    got = rms_norm(x, w, 1e-6, r)
-    want = rms_norm_ref(x, w, 1e-6, r)
-    assert torch.equal(x, x0)
-    if with_residual:
-        assert isinstance(got, tuple) and isinstance(want, tuple)
-        _assert_close(got[0], want[0], dtype)
-        # One rounding of x + r; the interpreter rounds bf16 by truncation, so
-        # allow one bf16 ulp there (fp32/fp16 must match exactly).
-        exact = dtype != torch.bfloat16
-        torch.testing.assert_close(
-            got[1], want[1], atol=0.0 if exact else 2e-2, rtol=0.0 if exact else 8e-3
-        )
-    else:
-        assert isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
-        _assert_close(got, want, dtype)
-        # Sanity of the reference itself: unit RMS before the weight.
-        unit = rms_norm_ref(x.float(), torch.ones(96, device=DEVICE), 0.0)
-        assert isinstance(unit, torch.Tensor)
-        assert torch.allclose(unit.pow(2).mean(-1), torch.ones(5, 3, device=DEVICE), atol=1e-4)
-
-
-def _cos_sin_cache(max_pos: int, rot_dim: int) -> torch.Tensor:
-    inv = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
-    freqs = torch.arange(max_pos).float()[:, None] * inv[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rot_dim", [32, 16])
-def test_rotary_embedding(dtype: torch.dtype, rot_dim: int) -> None:
-    """Flat ``[T, H*D]`` q and 3-D k; rot_dim 16 < head_dim 32 is partial rotary."""
-    g = torch.Generator().manual_seed(0)
-    head_dim, t = 32, 6
-    pos = torch.tensor([0, 5, 1, 17, 3, 30], device=DEVICE)
-    q = torch.randn(t, 3 * head_dim, generator=g).to(DEVICE, dtype)
-    k = torch.randn(t, 1, head_dim, generator=g).to(DEVICE, dtype)
-    cache = _cos_sin_cache(32, rot_dim)
-    q2, k2 = q.clone(), k.clone()
-    rotary_embedding(pos, q, k, cache, head_dim)
-    rotary_embedding_ref(pos, q2, k2, cache, head_dim)
-    _assert_close(q, q2, dtype)
-    _assert_close(k, k2, dtype)
-    # Position 0 is the identity; other rows really changed; norms are kept.
-    q0 = torch.randn(t, 3 * head_dim, generator=g).to(DEVICE, dtype)
-    q1 = q0.clone()
-    rotary_embedding_ref(pos, q1, k2.clone(), cache, head_dim)
-    assert torch.equal(q1[0], q0[0]) and not torch.equal(q1[3], q0[3])
-    _assert_close(q1.float().norm(), q0.float().norm(), dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 2 * 40, generator=g).to(DEVICE, dtype)
-    got = silu_and_mul(x)
-    assert got.shape == (2, 3, 40)
-    _assert_close(got, silu_and_mul_ref(x), dtype)
-    gate, up = x[..., :40].float(), x[..., 40:].float()
-    _assert_close(silu_and_mul_ref(x), gate * torch.sigmoid(gate) * up, dtype)
 
 
 # ------------------------------------------------------------------ native CPU decode kernel

@@ -13,13 +13,10 @@ KV cache layout, per layer: ``k_cache`` and ``v_cache`` of shape
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,41 +96,3 @@ class AttentionBackend(ABC):
             itself (causal). ``num_heads`` must be a multiple of ``num_kv_heads``
             (grouped-query attention).
         """
-
-
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Build a backend by name: ``torch``, ``triton``, ``cpu`` (native decode
-    kernel, CPU only) or ``auto``: Triton on CUDA; on CPU the native backend,
-    or torch (with a warning) when the native kernel cannot be built here.
-
-    Raises:
-        ValueError: an unknown name, or ``cpu`` on another device.
-        kernels.cpu_native.NativeBuildError: ``cpu`` asked for and not buildable.
-    """
-    if name == "auto":
-        if device.type == "cuda":
-            name = "triton"
-        else:
-            from kernels.cpu_native import NativeBuildError
-
-            try:
-                return get_attention_backend("cpu", device)
-            except NativeBuildError as e:
-                logger.warning("native CPU attention unavailable (%s); using torch", e)
-                name = "torch"
-    if name == "cpu":
-        if device.type != "cpu":
-            raise ValueError("--attention-backend cpu is for the CPU device only")
-        from engine.attention.cpu_backend import CpuNativeAttentionBackend
-        from kernels.cpu_native import CpuKernels
-
-        return CpuNativeAttentionBackend(CpuKernels.load())
-    if name == "torch":
-        from engine.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        from engine.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch, triton or cpu")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend, _StepPlan
+from engine.attention.torch_backend import StepPlan, TorchAttentionBackend
 from kernels.cpu_native import CpuKernels
 
 # Caches the native kernels read (a float16 cache is converted as read: half
@@ -75,7 +75,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        plan: _StepPlan,
+        plan: StepPlan,
         scale: float,
     ) -> torch.Tensor:
         if q.dtype != torch.float32 or k_cache.dtype not in _CACHE_DTYPES or q.device.type != "cpu":

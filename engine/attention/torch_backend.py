@@ -33,7 +33,7 @@ def store_kv(
 
     ``keep``: indices of the rows to write (those whose slot is >= 0), or
     ``None`` when every row is written. Computing it is a host sync, so the
-    caller does it once per step (``_StepPlan``), not once per layer.
+    caller does it once per step (``StepPlan``), not once per layer.
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     kc = k_cache.view(-1, num_kv_heads, head_dim)
@@ -45,7 +45,7 @@ def store_kv(
 
 
 @dataclass
-class _StepPlan:
+class StepPlan:
     """What every layer of one step shares: built from the step's metadata once.
 
     ``keep_rows()`` is None when every new token is stored (no ``-1`` slots);
@@ -84,18 +84,18 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self) -> None:
-        self._plan: _StepPlan | None = None
+        self._plan: StepPlan | None = None
 
-    def _step_plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
+    def _step_plan(self, meta: AttentionMetadata, block_size: int) -> StepPlan:
         plan = self._plan
         if plan is not None and plan.meta is meta:
             return plan
-        plan = _StepPlan(meta)
+        plan = StepPlan(meta)
         self._plan = plan
         return plan
 
     @staticmethod
-    def _gather_plan(plan: _StepPlan, block_size: int) -> None:
+    def _gather_plan(plan: StepPlan, block_size: int) -> None:
         """Fill the decode gather fields of ``plan`` (once per step, on first use)."""
         meta = plan.meta
         nd = meta.num_decodes
@@ -136,7 +136,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        plan: _StepPlan,
+        plan: StepPlan,
         scale: float,
     ) -> torch.Tensor:
         """Attention for the first ``nd = q.shape[0]`` sequences (one new token each)."""

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def onednn_packing_available() -> bool:
     return (
-        hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+        hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
     )
 
 
@@ -43,7 +43,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] >= self.min_rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x, self.packed, self.bias, "none", [], ""
+            )
+            return out
         return F.linear(x, self.weight, self.bias)
 
 
@@ -79,11 +82,14 @@ class Int8DynamicLinear(nn.Module):
         qweight = torch.quantize_per_channel(
             w, scales, torch.zeros(out_features, dtype=torch.long), 0, torch.qint8
         )
-        self.inner = DynamicQuantLinear(in_features, out_features, bias_=bias is not None)
+        self.inner = DynamicQuantLinear(  # type: ignore[no-untyped-call]
+            in_features, out_features, bias_=bias is not None
+        )
         self.inner.set_weight_bias(qweight, None if bias is None else bias.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x)
+        out: torch.Tensor = self.inner(x)
+        return out
 
 
 def quantize_linears(model: nn.Module) -> int:
@@ -112,7 +118,8 @@ class Fp16Linear(nn.Module):
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        out: torch.Tensor = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        return out
 
 
 class BlockQuantLinear(nn.Module):
@@ -164,7 +171,8 @@ class BlockQuantLinear(nn.Module):
             and x.is_contiguous()
         ):
             return self.kernels.quant_linear(x, self.qweight, self.bias_f32, validate=False)
-        return self.large(x)
+        out: torch.Tensor = self.large(x)
+        return out
 
 
 def quantize_linears_blockwise(model: nn.Module, kernels: CpuKernels, qtype: int) -> int:

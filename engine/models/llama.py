@@ -161,7 +161,8 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k)
         q, k = self.ops.rope(q, k, rope)
         o = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        out: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
+        return out
 
 
 class LlamaMLP(nn.Module):
@@ -173,7 +174,8 @@ class LlamaMLP(nn.Module):
         self.ops: ModelOps = TorchModelOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -273,7 +275,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for hidden states ``[N, hidden]``."""
         if self.logits_linear is not None:
-            return self.logits_linear(hidden).float()
+            logits: torch.Tensor = self.logits_linear(hidden).float()
+            return logits
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return F.linear(hidden, weight).float()
 

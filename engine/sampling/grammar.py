@@ -248,7 +248,8 @@ class GrammarCompiler:
             raise _invalid(
                 f"cannot compile the structured output spec: {_native_message(error)}"
             ) from error
-        return result["value"]
+        compiled: xgr.CompiledGrammar = result["value"]
+        return compiled
 
     def build_tool_call_spec(
         self,

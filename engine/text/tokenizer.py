@@ -222,7 +222,7 @@ class _StrictSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     """
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        raise jinja2.sandbox.SecurityError(
+        raise jinja2.exceptions.SecurityError(
             f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
         )
 

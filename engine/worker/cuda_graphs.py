@@ -58,7 +58,7 @@ class CudaStaticGraph:
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         # Warm up on a side stream first (lazy init, Triton autotune/compile),
         # as capture must not see first-call work.
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()
