@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")
     kernels = CpuKernels.load()
+    # The AVX2 build of the same source, where this CPU has the AVX-512 path.
+    avx2 = CpuKernels.load(extra_flags=("-mno-avx512f",)) if kernels.has_avx512_vnni else None
     weights: list[torch.Tensor] = []
     for name, w in iter_weights(resolve_model_path(None)):
         parts = name.split(".")
@@ -52,14 +54,24 @@ def main(argv: list[str] | None = None) -> int:
     onednn = [PackedLinear(w, None, min_rows=1) for w in weights]
     results = []
     print(f"threads={torch.get_num_threads()} linears={len(weights)}")
-    print("| rows | native ms | int8 ms | fp16 ms | onednn ms | int8/native | fp16/native |")
-    print("|---|---|---|---|---|---|---|")
     impls: dict[str, Callable[[int, torch.Tensor], torch.Tensor]] = {
         "native": lambda i, x: kernels.quant_linear(x, q4[i]),
         "int8": lambda i, x: int8[i](x),
         "fp16": lambda i, x: fp16[i](x),
         "onednn": lambda i, x: onednn[i](x),
     }
+    if avx2 is not None:
+        impls["native_avx2"] = lambda i, x: avx2.quant_linear(x, q4[i])
+    others = [k for k in impls if k != "native"]
+    print(
+        f"native: {'AVX-512 VNNI' if kernels.has_avx512_vnni else 'AVX2/portable'}\n"
+        "| rows | native ms | "
+        + " | ".join(f"{k} ms" for k in others)
+        + " | "
+        + " | ".join(f"{k}/native" for k in others)
+        + " |"
+    )
+    print("|---|---|" + "---|---|" * len(others))
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
         inputs = [xs[w.shape[1]] for w in weights]
@@ -73,8 +85,11 @@ def main(argv: list[str] | None = None) -> int:
                     best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
         n = best["native"]
         print(
-            f"| {rows} | {n:.2f} | {best['int8']:.2f} | {best['fp16']:.2f} "
-            f"| {best['onednn']:.2f} | {best['int8'] / n:.2f}x | {best['fp16'] / n:.2f}x |"
+            f"| {rows} | {n:.2f} | "
+            + " | ".join(f"{best[k]:.2f}" for k in others)
+            + " | "
+            + " | ".join(f"{best[k] / n:.2f}x" for k in others)
+            + " |"
         )
         results.append({"rows": rows, **{f"{k}_ms": v for k, v in best.items()}})
     if args.json:

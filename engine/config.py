@@ -19,7 +19,8 @@ KVCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
-CpuLinear = Literal["auto", "torch", "onednn", "int8", "q4_1"]
+CpuLinear = Literal["auto", "torch", "onednn", "int8", "q4_1", "q8_0"]
+CpuDecodeStep = Literal["auto", "fused", "per_layer"]
 
 
 @dataclass
@@ -51,8 +52,10 @@ class EngineConfig:
     )
     kv_cache_dtype: KVCacheDType = setting(
         "auto",
-        "KV cache element type (auto: the model's dtype). float16 halves the cache and, on "
-        "the CPU, the bytes each decode step reads; fp8 is not supported.",
+        "KV cache element type. auto: float16 on the CPU with the native attention backend "
+        "(half the bytes per decode step; quality measured in docs/benchmarks/cpu.md), the "
+        "model's dtype elsewhere. Exact mode: float32 (with --cpu-linear onednn). fp8 is not "
+        "supported.",
     )
     gpu_memory_utilization: float = setting(
         0.9, "Fraction of GPU memory to use (CUDA).", minimum=0.01, maximum=1.0
@@ -91,10 +94,18 @@ class EngineConfig:
     num_threads: int | None = setting(None, "CPU threads for torch.", minimum=1)
     cpu_linear: CpuLinear = setting(
         "auto",
-        "CPU matmuls: oneDNN-prepacked fp32 weights (auto: when available), plain torch, "
-        "int8 (dynamic int8 quantization: much faster, approximate; opt-in), or q4_1 "
-        "(llama.cpp's Q4_1 blocks, Q8_0 logits, native kernels for steps of up to 8 rows, fp16 "
-        "above: fastest for few streams, near-exact; a Q4_1 GGUF keeps its exact weights).",
+        "CPU matmuls. auto: a block-quantized GGUF runs in its own format (Q4_0/Q4_1/Q4_K "
+        "files as q4_1, Q5/Q6/Q8_0 files as q8_0), a float checkpoint as onednn. onednn: "
+        "float32 weights prepacked for oneDNN (exact; with --kv-cache-dtype float32 "
+        "token-identical to transformers). q4_1 / q8_0: llama.cpp's blocks through native "
+        "integer-dot kernels, Q8_0 logits (a Q4_1 GGUF keeps its exact weights). int8: "
+        "fbgemm dynamic int8 (coarser). torch: plain F.linear.",
+    )
+    cpu_decode_step: CpuDecodeStep = setting(
+        "auto",
+        "CPU decode-only steps with block-quantized linears. auto/fused: every layer in one "
+        "native call (same values as per_layer, much less overhead); per_layer: the model's "
+        "layer-by-layer forward. fused fails at start-up where the model cannot use it.",
     )
     debug_invariants: bool = setting(False, "Check scheduler/KV invariants every step (slow).")
     max_logprobs: int = setting(20, "Largest logprobs/top_logprobs accepted.", minimum=0)

@@ -22,7 +22,14 @@ from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv.manager import KVCacheManager
-from engine.models.loader import load_model, load_model_config, resolve_model_path
+from engine.models.linear import LinearStrategy, make_linear_strategy
+from engine.models.loader import (
+    linear_weight_type,
+    load_model,
+    load_model_config,
+    resolve_model_path,
+)
+from engine.models.native_step import NativeDecodeStep
 from engine.models.ops import NativeCpuModelOps
 from engine.output_processor import (
     GroupState,
@@ -43,7 +50,7 @@ from engine.text.tokenizer import Tokenizer
 from engine.trace import NullTraceRecorder, TraceRecorder, TraceStore
 from engine.worker.cuda_graphs import batch_size_ladder, cuda_graph_factory
 from engine.worker.model_runner import ModelRunner, StepResult, attention_backend_of
-from kernels.cpu_native import CpuKernels, NativeBuildError
+from kernels.cpu_native import CpuKernels
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +76,40 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         ) from None
 
 
+def resolve_kv_cache_dtype(
+    name: str, device: torch.device, dtype: torch.dtype, backend: object
+) -> torch.dtype:
+    """The KV cache element type for ``--kv-cache-dtype name``.
+
+    ``auto``: float16 on the CPU when the native attention backend reads the
+    cache (half the bytes per decode step; its quality is measured against
+    float32 in docs/benchmarks/cpu.md), the model's dtype otherwise (CUDA,
+    the torch backend). An explicit choice other than the model's dtype is
+    CPU-only: the Triton kernels are written for a cache in the model's dtype.
+
+    Raises:
+        ValueError: a non-model dtype asked for on CUDA.
+    """
+    if name == "auto":
+        native = isinstance(backend, CpuNativeAttentionBackend)
+        return torch.float16 if device.type == "cpu" and native else dtype
+    kv = resolve_dtype(name, device)
+    if kv != dtype and device.type != "cpu":
+        raise ValueError("--kv-cache-dtype other than the model's dtype is CPU-only")
+    return kv
+
+
+def _native_kernels(backend: object) -> CpuKernels:
+    """The native CPU kernels: the attention backend's, or built now (NativeBuildError)."""
+    if isinstance(backend, CpuNativeAttentionBackend):
+        return backend.kernels
+    return CpuKernels.load()
+
+
 @dataclass
 class EngineInfo:
+    """What runs: the model, its sizes, and the execution path chosen at start-up."""
+
     model_path: Path
     model_name: str
     device: torch.device
@@ -78,6 +117,21 @@ class EngineInfo:
     num_blocks: int
     block_size: int
     max_model_len: int
+    cpu_linear: str = "torch"
+    kv_cache_dtype: torch.dtype = torch.float32
+    attention: str = "?"
+    decode_step: str = "per_layer"
+
+    def execution(self) -> dict[str, str]:
+        """The execution path, as served in ``/v1/models`` (``fuel`` field) and logged."""
+        return {
+            "device": self.device.type,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "cpu_linear": self.cpu_linear,
+            "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
+            "attention": self.attention,
+            "decode_step": self.decode_step,
+        }
 
 
 class LLMEngine:
@@ -110,27 +164,20 @@ class LLMEngine:
         backend = get_attention_backend(config.attention_backend, device)
         # Any: the model class comes from the registry (LlamaForCausalLM-like).
         model: Any = load_model(path, mc, backend, dtype, device)
-        if config.cpu_linear in ("int8", "q4_1"):
-            if device.type != "cpu" or dtype != torch.float32:
-                raise ValueError(f"--cpu-linear {config.cpu_linear} is for the CPU in float32")
-            if config.cpu_linear == "int8":
-                model.quantize_int8_for_cpu()
-            else:
-                model.quantize_q4_1_for_cpu(self._native_kernels(backend))
-        elif self._use_onednn(device, dtype):
-            model.pack_for_cpu()
+        choice = make_linear_strategy(
+            config.cpu_linear,
+            device=device,
+            dtype=dtype,
+            weight_type=linear_weight_type(path),
+            kernels=lambda: _native_kernels(backend),
+        )
+        self.linear_strategy: LinearStrategy = choice.strategy
+        self.linear_strategy.apply(model)
         if isinstance(backend, CpuNativeAttentionBackend) and dtype == torch.float32:
             # The native CPU backend also brings fused norm/RoPE/SiLU ops (same library).
             model.set_ops(NativeCpuModelOps(backend.kernels))
         self.model = model
-        kv_dtype = (
-            dtype
-            if config.kv_cache_dtype == "auto"
-            else resolve_dtype(config.kv_cache_dtype, device)
-        )
-        if kv_dtype != dtype and device.type != "cpu":
-            # The Triton kernels are written for a cache in the model's dtype.
-            raise ValueError("--kv-cache-dtype other than the model's dtype is CPU-only")
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, device, dtype, backend)
         num_blocks = self._num_blocks(device, kv_dtype, max_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_len, clock=clock)
@@ -146,9 +193,30 @@ class LLMEngine:
         )
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(max_len)
+        decode_step = self._enable_native_decode(device)
         # The served name: what the user passed (as vLLM does), or the default model's name.
         name = config.model if config.model is not None else DEFAULT_MODEL_NAME
-        self.info = EngineInfo(path, name, device, dtype, num_blocks, config.block_size, max_len)
+        self.info = EngineInfo(
+            path,
+            name,
+            device,
+            dtype,
+            num_blocks,
+            config.block_size,
+            max_len,
+            cpu_linear=self.linear_strategy.name,
+            kv_cache_dtype=kv_dtype,
+            attention=self.model_backend_name(),
+            decode_step=decode_step,
+        )
+        logger.info(
+            "execution: linears %s (%s), kv cache %s, attention %s, decode steps %s",
+            self.linear_strategy.name,
+            choice.reason,
+            self.info.execution()["kv_cache_dtype"],
+            self.info.attention,
+            decode_step,
+        )
         self.groups: dict[str, GroupState] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
         self._grammar: GrammarCompiler | None = None
@@ -160,30 +228,22 @@ class LLMEngine:
             self.traces = TraceStore(config.max_traces)
             self.tracer = TraceRecorder(self.traces, log_prompts=config.log_prompts)
 
-    @staticmethod
-    def _native_kernels(backend: object) -> CpuKernels:
-        """The native CPU kernels: the attention backend's, or built now."""
-        if isinstance(backend, CpuNativeAttentionBackend):
-            return backend.kernels
+    def _enable_native_decode(self, device: torch.device) -> str:
+        """Attach the fused native decode step where the model can use it; returns
+        the decode path's name (``fused``, ``cuda_graphs`` or ``per_layer``)."""
+        if self.runner.graphs is not None:
+            return "cuda_graphs"
+        choice = self.config.cpu_decode_step
+        if device.type != "cpu" or choice == "per_layer":
+            return "per_layer"
         try:
-            return CpuKernels.load()
-        except NativeBuildError as e:
-            raise ValueError(f"--cpu-linear q4_1 needs the native CPU kernels: {e}") from e
-
-    def _use_onednn(self, device: torch.device, dtype: torch.dtype) -> bool:
-        from engine.models.linear import onednn_packing_available
-
-        choice = self.config.cpu_linear
-        if choice not in ("auto", "torch", "onednn", "int8", "q4_1"):
-            raise ValueError(
-                f"unknown --cpu-linear {choice!r}; choose auto, torch, onednn, int8 or q4_1"
-            )
-        usable = device.type == "cpu" and dtype == torch.float32 and onednn_packing_available()
-        if choice == "onednn" and not usable:
-            raise ValueError(
-                "--cpu-linear onednn needs the CPU, float32 and a torch built with oneDNN"
-            )
-        return usable and choice != "torch"
+            self.runner.native_step = NativeDecodeStep.build(self.model, self.runner.kv_caches)
+        except ValueError as e:
+            if choice == "fused":
+                raise ValueError(f"--cpu-decode-step fused: {e}") from e
+            logger.info("decode steps per layer: %s", e)
+            return "per_layer"
+        return "fused"
 
     # ---- sizing -------------------------------------------------------
     def _profile_step(self, device: torch.device, dtype: torch.dtype, max_len: int) -> None:
@@ -246,7 +306,7 @@ class LLMEngine:
             f"model={i.model_path} dtype={str(i.dtype).removeprefix('torch.')} device={i.device} "
             f"kv_blocks={i.num_blocks} block_size={i.block_size} "
             f"kv_tokens={i.num_blocks * i.block_size} max_model_len={i.max_model_len} "
-            f"attention={self.model_backend_name()}"
+            + " ".join(f"{k}={v}" for k, v in i.execution().items() if k not in ("device", "dtype"))
         )
 
     def _capture_decode_graphs(self, max_len: int) -> None:

@@ -30,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,15 +43,114 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / "cpu_attention.c",
     Path(__file__).parent / "csrc" / "cpu_ops.c",
     Path(__file__).parent / "csrc" / "cpu_quant.c",
+    Path(__file__).parent / "csrc" / "cpu_step.c",
 ]
 # Included by the sources: part of the build key.
 _HEADERS = [
     Path(__file__).parent / "csrc" / "fuel_half.h",
+    Path(__file__).parent / "csrc" / "fuel_internal.h",
     Path(__file__).parent / "csrc" / "fuel_vec.h",
 ]
 # KV cache element types the attention kernels read (float16: converted as read).
 _CACHE_DTYPES = (torch.float32, torch.float16)
+# fuel_quant_caps() bits: which integer-dot code path this build has.
+QUANT_CAPS_AVX2 = 1
+QUANT_CAPS_VNNI512 = 2
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+
+class _QWeight(ctypes.Structure):
+    """fuel_qweight (csrc/fuel_internal.h)."""
+
+    _fields_ = [
+        ("qs", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("qtype", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    """fuel_layer (csrc/cpu_step.c)."""
+
+    _fields_ = [
+        ("attn_norm", ctypes.c_void_p),
+        ("ffn_norm", ctypes.c_void_p),
+        ("qkv", _QWeight),
+        ("o", _QWeight),
+        ("gate_up", _QWeight),
+        ("down", _QWeight),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
+
+
+class _Model(ctypes.Structure):
+    """fuel_model (csrc/cpu_step.c)."""
+
+    _fields_ = [
+        ("n_layers", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("n_heads", ctypes.c_int64),
+        ("n_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("kv_half", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("cos_sin", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]
+
+
+@dataclass(frozen=True)
+class DecodeLayer:
+    """One decoder layer's tensors for :meth:`CpuKernels.decode_step_plan`.
+
+    Norm weights float32 ``[H]``; ``qkv`` ``[(hq + 2 hkv) d, H]`` (q rows, then
+    k, then v), ``o`` ``[H, hq d]``, ``gate_up`` ``[2 I, H]`` (gate rows, then
+    up), ``down`` ``[H, I]``, all in one block format; biases float32 or None;
+    the layer's KV cache ``[num_blocks, bs, hkv, d]`` (float32 or float16).
+    """
+
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    qkv: QuantWeight
+    qkv_bias: torch.Tensor | None
+    o: QuantWeight
+    o_bias: torch.Tensor | None
+    gate_up: QuantWeight
+    down: QuantWeight
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+class DecodeStepPlan:
+    """The native view of a model for :meth:`CpuKernels.decode_step`: raw
+    pointers into the tensors handed to ``decode_step_plan``, which this
+    object keeps alive. Valid while those tensors are neither moved nor
+    resized (the engine never does either after start-up)."""
+
+    def __init__(
+        self,
+        model: _Model,
+        layers: ctypes.Array[_Layer],
+        keep: list[object],
+        shapes: dict[str, int],
+    ) -> None:
+        self.model = model
+        self._layers = layers
+        self._keep = keep
+        self.hidden = shapes["hidden"]
+        self.max_positions = shapes["max_positions"]
+        self.num_slots = shapes["num_slots"]
 
 
 class NativeBuildError(RuntimeError):
@@ -148,6 +248,19 @@ class CpuKernels:
         ql.argtypes = [p, i64, i64, p, p, p, ctypes.c_int, i64, p, p, ctypes.c_int]
         ql.restype = ctypes.c_int
         self._quant_linear = ql
+        step = self._lib.fuel_decode_step_f32
+        step.argtypes = [ctypes.POINTER(_Model), p, i64, p, p, p, i64, p, p, ctypes.c_int]
+        step.restype = ctypes.c_int
+        self._decode_step = step
+        caps = self._lib.fuel_quant_caps
+        caps.argtypes = []
+        caps.restype = ctypes.c_int
+        self.quant_caps = int(caps())
+
+    @property
+    def has_avx512_vnni(self) -> bool:
+        """The block-quantized kernels use AVX-512 VNNI (else AVX2 or portable C)."""
+        return bool(self.quant_caps & QUANT_CAPS_VNNI512)
 
     @classmethod
     def load(cls, cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> CpuKernels:
@@ -470,4 +583,210 @@ class CpuKernels:
         )
         if rc != 0:
             raise MemoryError("quant_linear: scratch allocation failed")
+        return out
+
+    # ---- the fused decode step (kernels/csrc/cpu_step.c) --------------------------
+
+    @staticmethod
+    def _qweight(w: QuantWeight, bias: torch.Tensor | None) -> _QWeight:
+        return _QWeight(
+            w.qs.data_ptr(),
+            w.d.data_ptr(),
+            None if w.m is None else w.m.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            w.out_features,
+            w.in_features,
+            Q4_1 if w.qtype == Q4_1 else 0,
+            0,
+        )
+
+    def decode_step_plan(
+        self,
+        layers: list[DecodeLayer],
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+        cos_sin: torch.Tensor,
+        final_norm: torch.Tensor,
+    ) -> DecodeStepPlan:
+        """Check every layer's shapes, dtypes and layouts once and build the plan.
+
+        Raises:
+            ValueError: anything :meth:`decode_step` could not read as documented.
+        """
+        if not layers:
+            raise ValueError("decode_step_plan needs at least one layer")
+        hidden = int(final_norm.shape[0])
+        qtype = layers[0].qkv.qtype
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        inter = layers[0].down.in_features
+        kc0 = layers[0].k_cache
+        checks: list[tuple[bool, str]] = [
+            (num_kv_heads > 0 and num_heads % num_kv_heads == 0, "q heads a multiple of kv heads"),
+            (head_dim % 2 == 0, "an even head_dim"),
+            (
+                cos_sin.dtype == torch.float32
+                and cos_sin.is_contiguous()
+                and cos_sin.dim() == 2
+                and cos_sin.shape[1] == head_dim,
+                "a contiguous float32 [max_pos, head_dim] cos|sin table",
+            ),
+            (
+                kc0.dtype in _CACHE_DTYPES and kc0.dim() == 4,
+                "float32/float16 [nb, bs, hkv, d] caches",
+            ),
+        ]
+        keep: list[object] = [cos_sin, final_norm]
+        for i, lay in enumerate(layers):
+            shapes = [
+                (lay.qkv, q_size + 2 * kv_size, hidden),
+                (lay.o, hidden, q_size),
+                (lay.gate_up, 2 * inter, hidden),
+                (lay.down, hidden, inter),
+            ]
+            checks.append(
+                (
+                    all(
+                        w.qtype == qtype and (w.out_features, w.in_features) == (n, k)
+                        for w, n, k in shapes
+                    ),
+                    f"layer {i}: one block format and Llama-shaped projections",
+                )
+            )
+            vectors = [lay.attn_norm, lay.ffn_norm]
+            for b, n in ((lay.qkv_bias, q_size + 2 * kv_size), (lay.o_bias, hidden)):
+                if b is not None:
+                    vectors.append(b)
+                    checks.append((tuple(b.shape) == (n,), f"layer {i}: bias shapes"))
+            checks.append(
+                (
+                    all(
+                        v.dtype == torch.float32 and v.is_contiguous() and v.device.type == "cpu"
+                        for v in [*vectors, final_norm]
+                    )
+                    and all(tuple(v.shape) == (hidden,) for v in (lay.attn_norm, lay.ffn_norm)),
+                    f"layer {i}: contiguous float32 norm weights and biases",
+                )
+            )
+            checks.append(
+                (
+                    lay.k_cache.shape == kc0.shape
+                    and lay.v_cache.shape == kc0.shape
+                    and lay.k_cache.dtype == lay.v_cache.dtype == kc0.dtype
+                    and lay.k_cache.is_contiguous()
+                    and lay.v_cache.is_contiguous()
+                    and tuple(kc0.shape[2:]) == (num_kv_heads, head_dim),
+                    f"layer {i}: contiguous caches like layer 0's",
+                )
+            )
+            keep.append(lay)
+        for ok, what in checks:
+            if not ok:
+                raise ValueError(f"decode_step_plan needs {what}")
+        arr = (_Layer * len(layers))()
+        for i, lay in enumerate(layers):
+            arr[i] = _Layer(
+                lay.attn_norm.data_ptr(),
+                lay.ffn_norm.data_ptr(),
+                self._qweight(lay.qkv, lay.qkv_bias),
+                self._qweight(lay.o, lay.o_bias),
+                self._qweight(lay.gate_up, None),
+                self._qweight(lay.down, None),
+                lay.k_cache.data_ptr(),
+                lay.v_cache.data_ptr(),
+            )
+        model = _Model(
+            len(layers),
+            hidden,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            inter,
+            int(kc0.shape[1]),
+            eps,
+            scale,
+            int(kc0.dtype == torch.float16),
+            0,
+            cos_sin.data_ptr(),
+            final_norm.data_ptr(),
+            arr,
+        )
+        sizes = {
+            "hidden": hidden,
+            "max_positions": int(cos_sin.shape[0]),
+            "num_slots": int(kc0.shape[0] * kc0.shape[1]),
+        }
+        return DecodeStepPlan(model, arr, keep, sizes)
+
+    def decode_step(
+        self,
+        plan: DecodeStepPlan,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        max_position: int,
+        max_slot: int,
+        max_seq_len: int,
+    ) -> torch.Tensor:
+        """Run every decoder layer of a decode-only step (one new token per
+        sequence) and the final norm in one call; returns the final-normed hidden
+        states ``[M, H]``. ``x`` (``[M, H]`` float32 embeddings) is overwritten
+        (it is the residual stream). ``positions``/``slot_mapping`` int64 ``[M]``
+        (slot -1: not stored), ``block_tables`` int32 ``[>= M, width]``,
+        ``seq_lens`` int32 ``[>= M]``, all contiguous; the caller passes their
+        maxima (from host-side lists: no tensor reductions), checked here against
+        the plan's bounds.
+
+        Raises:
+            ValueError: a layout or bound the kernel cannot read safely.
+            MemoryError: scratch allocation failed.
+        """
+        m = x.shape[0]
+        ok = (
+            x.dtype == torch.float32
+            and x.is_contiguous()
+            and tuple(x.shape) == (m, plan.hidden)
+            and positions.dtype == slot_mapping.dtype == torch.int64
+            and tuple(positions.shape) == tuple(slot_mapping.shape) == (m,)
+            and positions.is_contiguous()
+            and slot_mapping.is_contiguous()
+            and block_tables.dtype == seq_lens.dtype == torch.int32
+            and block_tables.dim() == 2
+            and block_tables.shape[0] >= m
+            and block_tables.is_contiguous()
+            and seq_lens.is_contiguous()
+            and seq_lens.shape[0] >= m
+        )
+        if not ok:
+            raise ValueError("decode_step: bad layout, dtype or shape")
+        bs = plan.model.block_size
+        if (
+            max_position >= plan.max_positions
+            or max_slot >= plan.num_slots
+            or max_seq_len > block_tables.shape[1] * bs
+        ):
+            raise ValueError("decode_step: position, slot or length out of range")
+        out = torch.empty_like(x)
+        if m == 0:
+            return out
+        rc = self._decode_step(
+            ctypes.byref(plan.model),
+            x.data_ptr(),
+            m,
+            positions.data_ptr(),
+            slot_mapping.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("decode_step: scratch allocation failed")
         return out

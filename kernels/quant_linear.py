@@ -17,9 +17,14 @@ code as uint16). Q4_1 nibbles are repacked for AVX2: byte ``i`` of block
 pair ``p`` holds element ``i`` of block ``2p`` (low nibble) and of block
 ``2p + 1`` (high nibble); an odd block count is padded with a zero block.
 
-Activations are quantized per 32-element block too (``dx = amax / 127``,
-``qx = round(x / dx)``), so the product of two blocks is an integer dot times
-``d * dx`` (plus ``m * dx * sum(qx)`` for Q4_1): see :func:`quant_linear_ref`.
+Activations are quantized per 32-element block too, to 15-bit codes
+(``dx = amax / 127``, ``qx = round(128 * x / dx)``, held by the kernel as two
+int8 planes ``128 * hi + lo``), so the product of two blocks is an integer
+dot times ``d * dx / 128`` (plus ``m * dx / 128 * sum(qx)`` for Q4_1): see
+:func:`quant_linear_ref`. llama.cpp rounds activations to 8 bits per block
+(``round(x / dx)``); on the default model that moved the first-token
+distribution by total variation 0.07 from the file's float model and flipped
+the greedy answer, 15 bits by 0.0004 (docs/benchmarks/cpu.md).
 """
 
 from __future__ import annotations
@@ -109,13 +114,18 @@ def dequantize(qw: QuantWeight) -> torch.Tensor:
     return w.reshape(n, -1)[:, :k]
 
 
+ACT_LEVELS = 128  # activation codes per int8 step: 15-bit codes in two int8 planes
+
+
 def quantize_activations_ref(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[M, K]`` after the per-block int8 round trip the kernel applies."""
+    """``x`` ``[M, K]`` after the per-block 15-bit round trip the kernel applies:
+    ``round(x * (1 / dx) * 128) * (dx / 128)`` with ``dx = amax / 127`` in float32
+    (the kernel's order of operations, so the codes are the same)."""
     m, k = x.shape
     b = x.to(torch.float32).reshape(m, k // QK, QK)
     d = b.abs().amax(dim=-1, keepdim=True) / 127.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    return (torch.round(b * inv) * d).reshape(m, k)
+    return (torch.round(b * inv * ACT_LEVELS) * (d / ACT_LEVELS)).reshape(m, k)
 
 
 def quant_linear_ref(

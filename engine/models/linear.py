@@ -1,24 +1,43 @@
-"""CPU linears: oneDNN-prepacked fp32, dynamic int8 (fbgemm), block-quantized (native).
+"""How a model's linears run: one ``LinearStrategy`` per ``--cpu-linear`` choice.
 
-On this project's CPUs (AVX2, no AVX-512) torch's default fp32 GEMM (MKL) is
-slow for the small row counts of decode steps; oneDNN with a weight prepacked
-for its kernels is faster from about 8 rows up but slower for 1-4 rows. So
-each packed linear keeps the plain weight too and picks per call by row
-count. Memory for weights doubles (the packed copy); only one copy is read
-per call. Measured by ``benchmarks/cpu_step_bench.py`` (docs/benchmarks/cpu.md).
+A strategy converts every ``nn.Linear`` of a model (and its logits
+projection) into the module that computes it: ``torch`` leaves them as they
+are, ``onednn`` prepacks float32 weights for oneDNN (exact), ``int8`` uses
+fbgemm's dynamic int8, ``q4_1`` and ``q8_0`` store llama.cpp's blocks for
+the native integer-dot kernels (kernels/csrc/cpu_quant.c). The engine asks
+:func:`make_linear_strategy` for one (``auto`` resolves from the device,
+the dtype and what the weight file holds) and applies it once after loading;
+the model knows none of them (it only exposes ``LinearHost``). Like
+``ModelOps`` (engine/models/ops.py) and ``AttentionBackend``, a new way to run
+linears is a new class here, not a branch in the engine.
+
+On this project's CPUs torch's default fp32 GEMM (MKL) is slow for the small
+row counts of decode steps; oneDNN with a weight prepacked for its kernels is
+faster from about 8 rows up but slower for 1-4 rows. So each packed linear
+keeps the plain weight too and picks per call by row count. Memory for
+weights doubles (the packed copy); only one copy is read per call. Measured
+by ``benchmarks/cpu_step_bench.py`` (docs/benchmarks/cpu.md).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import CpuLinear
+
 if TYPE_CHECKING:
     from kernels.cpu_native import CpuKernels
     from kernels.quant_linear import QuantWeight
+
+logger = logging.getLogger(__name__)
 
 
 def onednn_packing_available() -> bool:
@@ -48,18 +67,6 @@ class PackedLinear(nn.Module):
             )
             return out
         return F.linear(x, self.weight, self.bias)
-
-
-def pack_linears(model: nn.Module, min_rows: int = 8) -> int:
-    """Replace every float32 ``nn.Linear`` under ``model`` by a PackedLinear; returns the count."""
-    count = 0
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32:
-            setattr(model, name, PackedLinear.from_linear(child, min_rows))
-            count += 1
-        else:
-            count += pack_linears(child, min_rows)
-    return count
 
 
 class Int8DynamicLinear(nn.Module):
@@ -92,18 +99,6 @@ class Int8DynamicLinear(nn.Module):
         return out
 
 
-def quantize_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` under ``model`` by an Int8DynamicLinear; returns the count."""
-    count = 0
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(model, name, Int8DynamicLinear(child.weight, child.bias))
-            count += 1
-        else:
-            count += quantize_linears(child)
-    return count
-
-
 class Fp16Linear(nn.Module):
     """Float16 weights (fbgemm, prepacked), float32 activations and accumulation.
 
@@ -125,19 +120,15 @@ class Fp16Linear(nn.Module):
 class BlockQuantLinear(nn.Module):
     """Block-quantized weight (Q4_1 or Q8_0, kernels/quant_linear.py) on the CPU.
 
-    Batches of up to ``max_native_rows`` rows (decode steps of a few
-    sequences) run the native integer-dot kernel (kernels/csrc/cpu_quant.c),
-    which reads 0.625 bytes per Q4_1 weight: ~2.5x faster than fbgemm int8 or
-    fp16 at one row, on par with int8 at 8 rows. Larger batches (prefill
-    chunks, wide decode steps) go to an Fp16Linear of the blocks' weight:
-    fbgemm int8 would be ~1.2-1.5x faster there, but its per-tensor 7-bit
-    activations cost accuracy (on SmolLM2 the prompt's first-token
-    distribution moved by total variation 0.5, against 0.001 with fp16;
-    tests/test_models.py). Routing only batches with an outlier row to fp16
-    was tried and did not help: the row maxima of prefill and decode batches
-    look alike (1.2-4x apart) except in a few down projections.
-    The native path rounds activations to 8 bits per 32-block, as llama.cpp
-    does, so a sequence's logits can differ slightly with its batch's size.
+    Every call runs the native integer-dot kernel (kernels/csrc/cpu_quant.c),
+    which reads 0.56 bytes per Q4_1 weight, rounding activations to 8 bits
+    per 32-block as llama.cpp does. With ``max_native_rows`` set (builds
+    without AVX-512 VNNI, where fbgemm's fp16 GEMM measured faster for wide
+    batches), batches above it go to an Fp16Linear of the blocks' weight
+    instead, and a sequence's logits can then differ slightly with its
+    batch's size; without it (the AVX-512 path, ``None``) a row's output does
+    not depend on the batch at all (the kernel computes each output the same
+    way whatever the row count).
 
     The float weight handed in is not kept. For a Q4_1 GGUF, whose weights
     were dequantized on load, quantizing again reproduces the file's blocks
@@ -150,7 +141,7 @@ class BlockQuantLinear(nn.Module):
         bias: torch.Tensor | None,
         kernels: CpuKernels,
         qtype: int,
-        max_native_rows: int = 8,
+        max_native_rows: int | None = None,
     ) -> None:
         super().__init__()
         from kernels.quant_linear import Q4_1, dequantize, quantize_q4_1, quantize_q8_0
@@ -159,29 +150,221 @@ class BlockQuantLinear(nn.Module):
         self.qweight: QuantWeight = quantize_q4_1(w) if qtype == Q4_1 else quantize_q8_0(w)
         self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
         # The blocks' weight, not the float one: both paths compute with one model.
-        self.large = Fp16Linear(dequantize(self.qweight), bias)
+        self.large = None if max_native_rows is None else Fp16Linear(dequantize(self.qweight), bias)
         self.kernels = kernels
         self.max_native_rows = max_native_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            x.dim() == 2
-            and x.shape[0] <= self.max_native_rows
-            and x.dtype == torch.float32
-            and x.is_contiguous()
-        ):
-            return self.kernels.quant_linear(x, self.qweight, self.bias_f32, validate=False)
-        out: torch.Tensor = self.large(x)
-        return out
+        rows = x.numel() // x.shape[-1]
+        if self.large is not None and self.max_native_rows is not None:
+            if rows > self.max_native_rows:
+                out: torch.Tensor = self.large(x)
+                return out
+        flat = x if x.dim() == 2 else x.reshape(rows, x.shape[-1])
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.float().contiguous()
+        y = self.kernels.quant_linear(flat, self.qweight, self.bias_f32, validate=False)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
-def quantize_linears_blockwise(model: nn.Module, kernels: CpuKernels, qtype: int) -> int:
-    """Replace every ``nn.Linear`` under ``model`` by a BlockQuantLinear; returns the count."""
-    count = 0
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(model, name, BlockQuantLinear(child.weight, child.bias, kernels, qtype))
-            count += 1
-        else:
-            count += quantize_linears_blockwise(child, kernels, qtype)
-    return count
+# --------------------------------------------------------------------------- strategies
+
+
+class LinearHost(Protocol):
+    """What a strategy needs from a model: the module tree holding its linears,
+    the weight of its logits projection (the tied embedding or ``lm_head``), and
+    a slot for the module that computes logits (None: ``F.linear`` on that
+    weight). A separate logits module keeps a tied embedding one tensor for
+    lookups."""
+
+    logits_linear: nn.Module | None
+
+    def linear_root(self) -> nn.Module: ...
+
+    def logits_weight(self) -> torch.Tensor: ...
+
+
+class LinearStrategy(ABC):
+    """How every linear of a model runs. ``apply`` replaces each ``nn.Linear``
+    under ``model.linear_root()`` by ``self.linear(...)`` and sets the logits
+    module to ``self.logits(...)``; both see the float weight, which the new
+    module may keep or drop. Applied once, after the weights are loaded and
+    before the first forward.
+
+    ``exact``: outputs equal the float32 model's up to float32 rounding (no
+    quantization). ``block_format``: the block format the native decode step
+    (engine/models/native_step.py) can read, or None."""
+
+    name: str = "abstract"
+    exact: bool = False
+    block_format: str | None = None
+
+    def apply(self, model: LinearHost) -> int:
+        """Convert ``model`` in place; returns how many linears (logits included) it converted."""
+        n = self._replace(model.linear_root())
+        model.logits_linear = self.logits(model.logits_weight())
+        return n + (model.logits_linear is not None)
+
+    def _replace(self, root: nn.Module) -> int:
+        count = 0
+        for name, child in list(root.named_children()):
+            if isinstance(child, nn.Linear):
+                new = self.linear(child)
+                if new is not child:
+                    setattr(root, name, new)
+                    count += 1
+            else:
+                count += self._replace(child)
+        return count
+
+    @abstractmethod
+    def linear(self, linear: nn.Linear) -> nn.Module:
+        """The module computing ``linear`` (``linear`` itself: unchanged)."""
+
+    @abstractmethod
+    def logits(self, weight: torch.Tensor) -> nn.Module | None:
+        """The module computing ``hidden @ weight.T`` (None: plain ``F.linear``)."""
+
+
+class TorchLinears(LinearStrategy):
+    """Plain ``F.linear`` in the model's dtype (any device): nothing to convert."""
+
+    name = "torch"
+    exact = True
+
+    def linear(self, linear: nn.Linear) -> nn.Module:
+        return linear
+
+    def logits(self, weight: torch.Tensor) -> nn.Module | None:
+        return None
+
+
+class OneDnnLinears(LinearStrategy):
+    """float32 weights also prepacked for oneDNN (PackedLinear): exact, and the
+    fastest float32 path from ``min_rows`` rows up."""
+
+    name = "onednn"
+    exact = True
+
+    def __init__(self, min_rows: int = 8) -> None:
+        self.min_rows = min_rows
+
+    def linear(self, linear: nn.Linear) -> nn.Module:
+        if linear.weight.dtype != torch.float32:
+            return linear
+        return PackedLinear.from_linear(linear, self.min_rows)
+
+    def logits(self, weight: torch.Tensor) -> nn.Module | None:
+        return PackedLinear(weight, None, self.min_rows)
+
+
+class Int8Linears(LinearStrategy):
+    """fbgemm dynamic int8 (per-channel weights, per-tensor 7-bit activations)."""
+
+    name = "int8"
+
+    def linear(self, linear: nn.Linear) -> nn.Module:
+        return Int8DynamicLinear(linear.weight, linear.bias)
+
+    def logits(self, weight: torch.Tensor) -> nn.Module | None:
+        return Int8DynamicLinear(weight, None)
+
+
+class BlockQuantLinears(LinearStrategy):
+    """llama.cpp block formats through the native kernels: every linear in
+    ``qtype`` (Q4_1 or Q8_0), the logits projection in Q8_0, as llama.cpp's
+    quantizations keep the (tied) embedding at 8 bits: 4-bit logits cost more
+    accuracy than they save. ``max_native_rows``: see BlockQuantLinear."""
+
+    def __init__(self, kernels: CpuKernels, qtype: int, max_native_rows: int | None) -> None:
+        from kernels.quant_linear import Q4_1
+
+        self.kernels = kernels
+        self.qtype = qtype
+        self.max_native_rows = max_native_rows
+        self.name = "q4_1" if qtype == Q4_1 else "q8_0"
+        self.block_format = self.name
+
+    def linear(self, linear: nn.Linear) -> nn.Module:
+        return BlockQuantLinear(
+            linear.weight, linear.bias, self.kernels, self.qtype, self.max_native_rows
+        )
+
+    def logits(self, weight: torch.Tensor) -> nn.Module | None:
+        from kernels.quant_linear import Q8_0
+
+        return BlockQuantLinear(weight, None, self.kernels, Q8_0, self.max_native_rows)
+
+
+# GGUF tensor types whose blocks the q4_1 / q8_0 strategies hold without
+# losing more than the file already lost (Q4_0 and Q4_K blocks re-fit as
+# Q4_1; 5- and 6-bit types as Q8_0).
+_Q4_FILE_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+_Q8_FILE_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"})
+
+
+@dataclass(frozen=True)
+class LinearChoice:
+    """What ``auto`` resolved to, and why (for the startup log)."""
+
+    strategy: LinearStrategy
+    reason: str
+
+
+def make_linear_strategy(
+    choice: CpuLinear,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    weight_type: str,
+    kernels: Callable[[], CpuKernels],
+) -> LinearChoice:
+    """The strategy for ``--cpu-linear choice``.
+
+    ``weight_type`` is what the file holds for its linear weights (a GGUF
+    tensor type name such as ``Q4_1``, or ``float`` for a float checkpoint).
+    ``auto``: on the CPU in float32, the native block-quantized path in the
+    file's own format for a Q4_x/Q8_0-class GGUF (as llama.cpp, Ollama and
+    vLLM's GGUF path run a quantized file), oneDNN-prepacked float32 for a
+    float file; plain torch elsewhere (CUDA, half precision).
+    ``kernels`` builds the native library on demand.
+
+    Raises:
+        ValueError: a choice this device/dtype cannot run (the message names the flag).
+    """
+    from kernels.cpu_native import NativeBuildError
+    from kernels.quant_linear import Q4_1, Q8_0
+
+    cpu32 = device.type == "cpu" and dtype == torch.float32
+
+    def native(qtype: int) -> BlockQuantLinears:
+        lib = kernels()
+        # Without AVX-512 VNNI fbgemm's fp16 GEMM measured faster above 8 rows.
+        return BlockQuantLinears(lib, qtype, None if lib.has_avx512_vnni else 8)
+
+    if choice == "auto":
+        if not cpu32:
+            return LinearChoice(TorchLinears(), f"{device.type} in {str(dtype)[6:]}")
+        qtype = Q4_1 if weight_type in _Q4_FILE_TYPES else Q8_0
+        if weight_type in _Q4_FILE_TYPES | _Q8_FILE_TYPES:
+            try:
+                return LinearChoice(native(qtype), f"the file holds {weight_type} blocks")
+            except NativeBuildError as e:
+                logger.warning("native CPU kernels unavailable (%s); float linears instead", e)
+        if onednn_packing_available():
+            return LinearChoice(OneDnnLinears(), f"{weight_type} weights, float32 on the CPU")
+        return LinearChoice(TorchLinears(), "torch has no oneDNN packing here")
+    if choice == "torch":
+        return LinearChoice(TorchLinears(), "--cpu-linear torch")
+    if not cpu32:
+        raise ValueError(f"--cpu-linear {choice} is for the CPU in float32")
+    if choice == "onednn":
+        if not onednn_packing_available():
+            raise ValueError("--cpu-linear onednn needs a torch built with oneDNN")
+        return LinearChoice(OneDnnLinears(), "--cpu-linear onednn")
+    if choice == "int8":
+        return LinearChoice(Int8Linears(), "--cpu-linear int8")
+    try:
+        return LinearChoice(native(Q4_1 if choice == "q4_1" else Q8_0), f"--cpu-linear {choice}")
+    except NativeBuildError as e:
+        raise ValueError(f"--cpu-linear {choice} needs the native CPU kernels: {e}") from e

@@ -24,7 +24,6 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.ops import ModelOps, RopeInputs, TorchModelOps
-from kernels.cpu_native import CpuKernels
 
 
 class RMSNorm(nn.Module):
@@ -237,7 +236,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, attn_backend)
         self.lm_head: nn.Linear | None = None
-        self.logits_linear: nn.Module | None = None  # set by pack_for_cpu
+        # The module computing logits, set by a LinearStrategy (None: F.linear).
+        self.logits_linear: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -277,40 +277,15 @@ class LlamaForCausalLM(nn.Module):
         if self.logits_linear is not None:
             logits: torch.Tensor = self.logits_linear(hidden).float()
             return logits
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, self.logits_weight()).float()
 
-    def quantize_int8_for_cpu(self) -> int:
-        """Dynamic int8 linears (and logits projection); see engine/models/linear.py."""
-        from engine.models.linear import Int8DynamicLinear, quantize_linears
+    def linear_root(self) -> nn.Module:
+        r"""The modules whose ``nn.Linear``\ s a LinearStrategy converts (engine/models/linear.py)."""
+        return self.model
 
-        n = quantize_linears(self.model)
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        self.logits_linear = Int8DynamicLinear(weight, None)
-        return n + 1
-
-    def quantize_q4_1_for_cpu(self, kernels: CpuKernels) -> int:
-        """Q4_1 linears and a Q8_0 logits projection (native kernels, small
-        batches; fp16 above): see ``BlockQuantLinear`` in engine/models/linear.py."""
-        from engine.models.linear import BlockQuantLinear, quantize_linears_blockwise
-        from kernels.quant_linear import Q4_1, Q8_0
-
-        n = quantize_linears_blockwise(self.model, kernels, Q4_1)
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        # Q8_0 for the logits, as llama.cpp's quantizations keep the (tied)
-        # embedding at 8 bits: 4-bit logits cost more accuracy than they save.
-        self.logits_linear = BlockQuantLinear(weight, None, kernels, Q8_0)
-        return n + 1
-
-    def pack_for_cpu(self, min_rows: int = 8) -> int:
-        """Prepack every linear (and the logits projection) for oneDNN; see engine/models/linear.py."""
-        from engine.models.linear import PackedLinear, pack_linears
-
-        n = pack_linears(self.model, min_rows)
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        # A separate module so a tied embedding stays one tensor for lookups.
-        self.logits_linear = PackedLinear(weight, None, min_rows)
-        return n + 1
+    def logits_weight(self) -> torch.Tensor:
+        """The logits projection's weight ``[vocab, hidden]``: ``lm_head`` or the tied embedding."""
+        return self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face tensor names ``load_weights`` requires."""

@@ -399,6 +399,34 @@ def load_model_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf_config(hf_cfg)
 
 
+_LINEAR_PARTS = frozenset(
+    {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+)
+
+
+def linear_weight_type(path: Path) -> str:
+    """What the checkpoint holds for its decoder linears: the GGUF tensor type
+    name most of them have (``Q4_1``, ``Q8_0``, ``F16``, ...), or ``float`` for
+    a Hugging Face directory (safetensors are float tensors). Reads no tensor
+    data; ``--cpu-linear auto`` runs a block-quantized file in its own format."""
+    import collections
+
+    import gguf
+
+    path = Path(path)
+    if not _is_gguf(path):
+        return "float"
+    g = read_gguf(path)
+    counts = collections.Counter(
+        gguf.GGMLQuantizationType(t.qtype).name
+        for t in g.tensors.values()
+        if (m := _GGUF_BLOCK_RE.match(t.name)) is not None
+        and m.group(2) in _LINEAR_PARTS
+        and m.group(3) == "weight"
+    )
+    return counts.most_common(1)[0][0] if counts else "float"
+
+
 def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor in the checkpoint.
 

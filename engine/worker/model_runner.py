@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.native_step import NativeDecodeStep
 from engine.outputs import PositionLogprobs, TokenLogprob
 from engine.request import Request
 from engine.sampling.sampler import GrammarMaskFn, Sampler, SamplerOutput
@@ -60,6 +61,8 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        # The fused native decode step (CPU), set by the engine where the model qualifies.
+        self.native_step: NativeDecodeStep | None = None
 
     def enable_decode_graphs(
         self, sizes: list[int], max_model_len: int, graph_factory: GraphFactory
@@ -143,6 +146,8 @@ class ModelRunner:
         hidden = None
         if self.graphs is not None:
             hidden = self.graphs.run(input_ids, positions, meta)
+        elif self.native_step is not None:
+            hidden = self.native_step.run(input_ids, positions, meta)
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
 

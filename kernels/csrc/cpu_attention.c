@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuel_internal.h"
 #include "fuel_vec.h"
 
 /* q . k over d floats. Two independent vector accumulators when d is a
@@ -92,7 +93,7 @@ static inline void axpy_h(float *o, float p, const uint16_t *v, int64_t d)
 }
 
 /* Store n floats as the cache's element type. */
-static inline void store_row(void *dst, const float *src, int64_t n, int half)
+void fuel_store_row(void *dst, const float *src, int64_t n, int half)
 {
     if (!half) {
         memcpy(dst, src, (size_t)n * sizeof(float));
@@ -188,6 +189,39 @@ static int decode_range(const float *q, const void *k_cache, const void *v_cache
                             h0, h1, g, d, bs, tok_stride, blk_stride, scale, scores, cap, mx, sum);
 }
 
+int fuel_decode_range(const float *q, const void *k_cache, const void *v_cache, int kv_half,
+                      const int32_t *row, int64_t t0, int64_t t1, float *out, int64_t hkv,
+                      int64_t g, int64_t d, int64_t bs, float scale, float **scores, int64_t *cap,
+                      float *mx, float *sum)
+{
+    return decode_range(q, k_cache, v_cache, kv_half, row, t0, t1, out, 0, hkv, g, d, bs,
+                        hkv * d, bs * hkv * d, scale, scores, cap, mx, sum);
+}
+
+void fuel_merge_parts(const float *part_out, const float *part_mx, const float *part_sum,
+                      int64_t parts, int64_t hq, int64_t d, float *out)
+{
+    for (int64_t j = 0; j < hq; ++j) {
+        float m = -INFINITY;
+        for (int64_t p = 0; p < parts; ++p) {
+            const float v = part_mx[p * hq + j];
+            m = v > m ? v : m;
+        }
+        float total = 0.0f;
+        float *o = out + j * d;
+        memset(o, 0, sizeof(float) * (size_t)d);
+        for (int64_t p = 0; p < parts; ++p) {
+            if (part_sum[p * hq + j] == 0.0f) continue;
+            const float w = expf(part_mx[p * hq + j] - m);
+            total += w * part_sum[p * hq + j];
+            const float *po = part_out + (p * hq + j) * d;
+            for (int64_t c = 0; c < d; ++c) o[c] += w * po[c];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t c = 0; c < d; ++c) o[c] *= inv;
+    }
+}
+
 /* One work item: sequence i, kv heads [h0, h1), all n of its keys. */
 static int decode_item(
     const float *q, const void *k_cache, const void *v_cache, int kv_half, const int32_t *row,
@@ -218,7 +252,6 @@ static int decode_item(
  * system prompt), each sequence's keys are split into one range per thread
  * (flash-decoding's split-K: partial outputs merged by their softmax maxima),
  * so no core idles. out: [nd, hq, d] contiguous. */
-#define SPLIT_MIN_TOKENS 256
 
 int fuel_paged_decode_store_attention_f32(
     const float *qkv, int64_t row_stride, int64_t k_off, int64_t v_off, void *k_cache,
@@ -239,12 +272,12 @@ int fuel_paged_decode_store_attention_f32(
         if (slots[i] < 0) continue;
         const float *row = qkv + i * row_stride;
         const size_t at = (size_t)(slots[i] * tok_stride) * (kv_half ? 2 : 4);
-        store_row((char *)k_cache + at, row + k_off, tok_stride, kv_half);
-        store_row((char *)v_cache + at, row + v_off, tok_stride, kv_half);
+        fuel_store_row((char *)k_cache + at, row + k_off, tok_stride, kv_half);
+        fuel_store_row((char *)v_cache + at, row + v_off, tok_stride, kv_half);
     }
     int64_t max_len = 0;
     for (int64_t i = 0; i < nd; ++i) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
-    const int64_t parts = nd < num_threads && max_len >= SPLIT_MIN_TOKENS ? num_threads : 1;
+    const int64_t parts = nd < num_threads && max_len >= FUEL_SPLIT_MIN_TOKENS ? num_threads : 1;
     const int64_t items = nd * parts;
     const int nt = items < num_threads ? (int)items : num_threads;
     /* Split mode: partial outputs [items, hq, d] and their (max, sum) [items, hq]. */
@@ -300,28 +333,9 @@ int fuel_paged_decode_store_attention_f32(
         free(scores);
     }
     if (parts > 1 && !failed) {
-        for (int64_t i = 0; i < nd; ++i) {
-            for (int64_t j = 0; j < hq; ++j) {
-                float m = -INFINITY;
-                for (int64_t p = 0; p < parts; ++p) {
-                    const float v = part_mx[(i * parts + p) * hq + j];
-                    m = v > m ? v : m;
-                }
-                float total = 0.0f;
-                float *o = out + (i * hq + j) * d;
-                memset(o, 0, sizeof(float) * (size_t)d);
-                for (int64_t p = 0; p < parts; ++p) {
-                    const int64_t it = i * parts + p;
-                    if (part_sum[it * hq + j] == 0.0f) continue;
-                    const float w = expf(part_mx[it * hq + j] - m);
-                    total += w * part_sum[it * hq + j];
-                    const float *po = part_out + (it * hq + j) * d;
-                    for (int64_t c = 0; c < d; ++c) o[c] += w * po[c];
-                }
-                const float inv = 1.0f / total;
-                for (int64_t c = 0; c < d; ++c) o[c] *= inv;
-            }
-        }
+        for (int64_t i = 0; i < nd; ++i)
+            fuel_merge_parts(part_out + i * parts * hq * d, part_mx + i * parts * hq,
+                             part_sum + i * parts * hq, parts, hq, d, out + i * hq * d);
     }
     free(part_out);
     free(part_mx);

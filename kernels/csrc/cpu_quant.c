@@ -2,24 +2,42 @@
  * Block-quantized linears for the CPU path: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
  *
  * Two weight formats, both llama.cpp's block quantizations (32 weights per
- * block, one scale each) in a layout repacked for AVX2 (kernels/quant_linear.py
- * builds them; its torch references define the arithmetic):
+ * block, one scale each) in a layout repacked for SIMD loads
+ * (kernels/quant_linear.py builds them; its torch references define the
+ * arithmetic):
  *   Q8_0:  w = d * q,      q int8.        qs [N, K] int8,   d [N, nb] fp16.
  *   Q4_1:  w = d * q + m,  q in 0..15.    qs [N, nb / 2, 32] bytes: byte i of
  *          pair p holds element i of block 2p in its low nibble and element i
  *          of block 2p + 1 in its high nibble; d, m [N, nb] fp16.
  * nb = K / 32 (for Q4_1 rounded up to even; the padding block has d = m = 0).
  *
- * Activations are quantized per 32-element block to int8 with a float scale
- * (dx = amax / 127) and, for Q4_1's offset term, sx = dx * sum(qx); a block
- * pair's dot is then an integer dot (maddubs + madd, the route llama.cpp
- * takes on AVX2) scaled by d * dx, and Q4_1 adds m * sx. Reading 0.625 (Q4_1)
- * or 1.06 (Q8_0) bytes per weight is what makes decode fast on this
- * bandwidth-bound CPU; up to four activation rows share each unpacked weight
- * block, so small batches read the weights once.
+ * Activations are quantized per 32-element block to 15-bit integers held in
+ * two int8 planes: with e = amax / (127 * 128) and s = x / (127 e), the code
+ * q = rint(128 s) = 128 hi + lo, hi = rint(s) in [-127, 127] and
+ * lo = rint(128 (s - hi)) in [-64, 64], and x ~ e * q. A block's dot is two
+ * integer dots (hi and lo against the same unpacked weight bytes) combined as
+ * 128 * dot(hi) + dot(lo), scaled by d * e; Q4_1 adds m * sx with
+ * sx = e * sum(q). llama.cpp's 8-bit activation blocks (hi alone) moved the
+ * default model's first-token distribution by total variation 0.07 and flipped
+ * its greedy answer; 15 bits move it by 0.0004 (docs/benchmarks/cpu.md), for
+ * one more integer dot per block. Reading 0.5625 (Q4_1) or 1.06 (Q8_0) bytes
+ * per weight is what makes decode fast on a bandwidth-bound CPU.
  *
- * Threads split the output features N; the activation rows are quantized
- * once, before the parallel region.
+ * Three code paths, chosen when the library is built (-march=native; the
+ * CPU's flags are part of the build key in kernels/cpu_native.py):
+ *  - AVX-512 VNNI: one 64-byte vpdpbusd per activation plane covers two
+ *    blocks (a Q4_1 pair's low and high nibbles, or two Q8_0 blocks made
+ *    unsigned by +128 with the correction folded into the accumulator), the hi
+ *    plane's sum shifted by 7 bits into the lo plane's accumulator; tiles of up to 4 weight rows x
+ *    4 activation rows, so each unpacked weight block serves several rows
+ *    and each activation block several weight rows; the same kernel serves
+ *    one decode row and a 2,048-row prefill chunk.
+ *  - AVX2: maddubs + madd per block and plane (llama.cpp's AVX2 route), up
+ *    to four activation rows per pass over a weight row.
+ *  - portable C (tested through a -mno-avx2 build).
+ * In every path an output's value is computed by the same sequence of
+ * operations whatever the number of rows and the split across threads: a
+ * sequence's logits do not depend on what else is in its batch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,44 +48,305 @@
 #include <immintrin.h>
 #define FUEL_AVX2 1
 #endif
+#if defined(FUEL_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define FUEL_VNNI512 1
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "fuel_half.h"
+#include "fuel_internal.h"
 
-#define QK 32
-#define MT 4                  /* activation rows sharing one pass over a weight row */
+#define QK FUEL_QK
+#define MT 4                  /* activation rows per tile */
+#define ROW_BLOCK 64          /* activation rows kept hot in L2 while weight rows stream */
 #define PAR_MIN_BLOCKS 4096   /* weight blocks x rows below which one thread is faster */
 
-/* Quantize rows of x [M, K] into blocks: qx [M, nb * 32], dx and sx [M, nb];
- * blocks past K / 32 (padding) are zero. */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t nb, int8_t *qx, float *dx,
-                          float *sx)
+int fuel_quant_caps(void)
 {
-    const int64_t kb = K / QK;
-    for (int64_t r = 0; r < M; ++r) {
-        for (int64_t b = 0; b < nb; ++b) {
-            int8_t *q = qx + (r * nb + b) * QK;
-            if (b >= kb) {
-                memset(q, 0, QK);
-                dx[r * nb + b] = 0.0f;
-                sx[r * nb + b] = 0.0f;
-                continue;
+    int caps = 0;
+#ifdef FUEL_AVX2
+    caps |= 1;
+#endif
+#ifdef FUEL_VNNI512
+    caps |= 2;
+#endif
+    return caps;
+}
+
+int64_t fuel_qx_blocks(int qtype, int64_t k) { return qtype == 1 ? (k / QK + 1) / 2 * 2 : k / QK; }
+
+/* ---- activation quantization (identical results on every path) -------- */
+
+/* One block: hi and lo codes (32 each), the scale e and e * sum(q). */
+static inline void quantize_block(const float *xb, int8_t *hi, int8_t *lo, float *e_out,
+                                  float *s_out)
+{
+#ifdef FUEL_VNNI512
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.0f;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m512 vid = _mm512_set1_ps(id), k128 = _mm512_set1_ps(128.0f);
+    /* cvtps rounds to nearest even, as nearbyintf does in the default mode;
+     * s - rint(s) and the product by 128 are exact in float. */
+    const __m512 s0 = _mm512_mul_ps(v0, vid), s1 = _mm512_mul_ps(v1, vid);
+    const __m512i h0 = _mm512_cvtps_epi32(s0), h1 = _mm512_cvtps_epi32(s1);
+    const __m512i l0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(s0, _mm512_cvtepi32_ps(h0)), k128));
+    const __m512i l1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(s1, _mm512_cvtepi32_ps(h1)), k128));
+    _mm_storeu_si128((__m128i *)hi, _mm512_cvtepi32_epi8(h0));
+    _mm_storeu_si128((__m128i *)(hi + 16), _mm512_cvtepi32_epi8(h1));
+    _mm_storeu_si128((__m128i *)lo, _mm512_cvtepi32_epi8(l0));
+    _mm_storeu_si128((__m128i *)(lo + 16), _mm512_cvtepi32_epi8(l1));
+    const __m512i q = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 7),
+                                       _mm512_add_epi32(l0, l1));
+    const float e = d / 128.0f;
+    *e_out = e;
+    *s_out = e * (float)_mm512_reduce_add_epi32(q);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < QK; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+    const float d = amax / 127.0f;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < QK; ++j) {
+        const float sj = xb[j] * id;
+        const float h = nearbyintf(sj);
+        const int l = (int)nearbyintf((sj - h) * 128.0f);
+        hi[j] = (int8_t)(int)h;
+        lo[j] = (int8_t)l;
+        sum += 128 * (int)h + l;
+    }
+    const float e = d / 128.0f;
+    *e_out = e;
+    *s_out = e * (float)sum;
+#endif
+}
+
+void fuel_qx_quantize_span(const float *x, int64_t k, int64_t nb, int64_t r, int64_t b0,
+                           int64_t b1, int8_t *qx, float *dx, float *sx)
+{
+    const int64_t kb = k / QK;
+    int8_t *row = qx + r * FUEL_QX_ROW(nb);
+    for (int64_t b = b0; b < b1; ++b) {
+        int8_t *hi = row + b * QK, *lo = row + (nb + b) * QK;
+        if (b >= kb) {
+            memset(hi, 0, QK);
+            memset(lo, 0, QK);
+            dx[r * nb + b] = 0.0f;
+            sx[r * nb + b] = 0.0f;
+            continue;
+        }
+        quantize_block(x + r * k + b * QK, hi, lo, dx + r * nb + b, sx + r * nb + b);
+    }
+}
+
+void fuel_qx_quantize_rows(const float *x, int64_t k, int64_t nb, int64_t r0, int64_t r1,
+                           int8_t *qx, float *dx, float *sx)
+{
+    for (int64_t r = r0; r < r1; ++r) fuel_qx_quantize_span(x, k, nb, r, 0, nb, qx, dx, sx);
+}
+
+/* ---- AVX-512 VNNI ------------------------------------------------------ */
+#ifdef FUEL_VNNI512
+
+/* [s0 x 8 | s1 x 8] from two consecutive floats / fp16 values. */
+static inline __m512 pair_f(const float *s, __m512i idx)
+{
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castsi128_ps(
+                                          _mm_loadl_epi64((const __m128i *)s))));
+}
+
+static inline __m512 pair_h(const uint16_t *h, __m512i idx)
+{
+    uint32_t bits;
+    memcpy(&bits, h, sizeof bits);
+    return _mm512_permutexvar_ps(
+        idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)bits))));
+}
+
+/* [s0 x 8 | 0 x 8]: the last block of an odd count (lane 1 of the load is 0). */
+static inline __m512 single_f(const float *s, __m512i idx)
+{
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_load_ss(s)));
+}
+
+static inline __m512 single_h(const uint16_t *h, __m512i idx)
+{
+    return _mm512_permutexvar_ps(
+        idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h[0]))));
+}
+
+/* Q4_1's offset term of one weight row and one activation row: sum_b m[b] sx[b]. */
+static inline float q4_offset(const uint16_t *m, const float *sx, int64_t nb)
+{
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 16) {
+        const __mmask16 mask = nb - b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nb - b)) - 1);
+        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m + b));
+        acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, sx + b), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* NR weight rows from n x MR activation rows from r (Q4_1). */
+static inline __attribute__((always_inline)) void q4_1_tile(const fuel_qweight *w, int64_t n,
+                                                            const int NR, const int8_t *qx,
+                                                            const float *dx, const float *sx,
+                                                            int64_t nb, int64_t r, const int MR,
+                                                            float *y, int64_t ys, int64_t col0)
+{
+    const int64_t pairs = nb / 2, qs_row = pairs * QK;
+    const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[4][4];
+    for (int i = 0; i < NR; ++i)
+        for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+        __m512i a[4], b[4];
+        __m512 xs[4];
+        for (int j = 0; j < MR; ++j) {
+            const int8_t *row = qx + (r + j) * FUEL_QX_ROW(nb);
+            a[j] = _mm512_loadu_si512(row + 2 * p * QK);
+            b[j] = _mm512_loadu_si512(row + (nb + 2 * p) * QK);
+            xs[j] = pair_f(dx + (r + j) * nb + 2 * p, idx);
+        }
+        for (int i = 0; i < NR; ++i) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w->qs + (n + i) * qs_row + p * QK));
+            /* low nibbles (block 2p) in bytes 0..31, high nibbles (2p + 1) in 32..63 */
+            const __m512i wq =
+                _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(raw), shift), low);
+            const __m512 ws = pair_h(w->d + (n + i) * nb + 2 * p, idx);
+            for (int j = 0; j < MR; ++j) {
+                const __m512i th = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, a[j]);
+                const __m512i t = _mm512_dpbusd_epi32(_mm512_slli_epi32(th, 7), wq, b[j]);
+                acc[i][j] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(ws, xs[j]), acc[i][j]);
             }
-            const float *xb = x + r * K + b * QK;
-            float amax = 0.0f;
-            for (int j = 0; j < QK; ++j) amax = fmaxf(amax, fabsf(xb[j]));
-            const float d = amax / 127.0f;
-            const float id = d > 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int j = 0; j < QK; ++j) {
-                const int v = (int)nearbyintf(xb[j] * id);
-                q[j] = (int8_t)v;
-                sum += v;
-            }
-            dx[r * nb + b] = d;
-            sx[r * nb + b] = d * (float)sum;
+        }
+    }
+    for (int i = 0; i < NR; ++i) {
+        const float bn = w->bias ? w->bias[n + i] : 0.0f;
+        for (int j = 0; j < MR; ++j) {
+            const float off = q4_offset(w->m + (n + i) * nb, sx + (r + j) * nb, nb);
+            y[(r + j) * ys + (n + i - col0)] = _mm512_reduce_add_ps(acc[i][j]) + off + bn;
         }
     }
 }
+
+/* NR weight rows from n x MR activation rows from r (Q8_0). The weight bytes
+ * are made unsigned (w + 128) for vpdpbusd; the accumulator starts at
+ * -128 * sum(a) per lane, so the integer result is exactly sum(w * a). */
+static inline __attribute__((always_inline)) void q8_0_tile(const fuel_qweight *w, int64_t n,
+                                                            const int NR, const int8_t *qx,
+                                                            const float *dx, int64_t nb, int64_t r,
+                                                            const int MR, float *y, int64_t ys,
+                                                            int64_t col0)
+{
+    const int64_t k = w->k, pairs = nb / 2;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[4][4];
+    for (int i = 0; i < NR; ++i)
+        for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p <= pairs; ++p) {
+        const int tail = p == pairs;
+        if (tail && !(nb & 1)) break;
+        /* The tail block alone: the upper 32 bytes load as zeros and their
+         * scale lanes are zero. */
+        const __mmask64 mask = tail ? (__mmask64)0xffffffffULL : ~(__mmask64)0;
+        __m512i a[4], b[4], ca[4], cb[4];
+        __m512 xs[4];
+        for (int j = 0; j < MR; ++j) {
+            const int8_t *row = qx + (r + j) * FUEL_QX_ROW(nb);
+            a[j] = _mm512_maskz_loadu_epi8(mask, row + 2 * p * QK);
+            b[j] = _mm512_maskz_loadu_epi8(mask, row + (nb + 2 * p) * QK);
+            xs[j] = tail ? single_f(dx + (r + j) * nb + 2 * p, idx)
+                         : pair_f(dx + (r + j) * nb + 2 * p, idx);
+            ca[j] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, a[j]));
+            cb[j] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, b[j]));
+        }
+        for (int i = 0; i < NR; ++i) {
+            const __m512i wq = _mm512_xor_si512(
+                _mm512_maskz_loadu_epi8(mask, w->qs + (n + i) * k + 2 * p * QK), flip);
+            const __m512 ws = tail ? single_h(w->d + (n + i) * nb + 2 * p, idx)
+                                   : pair_h(w->d + (n + i) * nb + 2 * p, idx);
+            for (int j = 0; j < MR; ++j) {
+                const __m512i th = _mm512_dpbusd_epi32(ca[j], wq, a[j]);
+                const __m512i t =
+                    _mm512_dpbusd_epi32(_mm512_add_epi32(_mm512_slli_epi32(th, 7), cb[j]), wq, b[j]);
+                acc[i][j] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(ws, xs[j]), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < NR; ++i) {
+        const float bn = w->bias ? w->bias[n + i] : 0.0f;
+        for (int j = 0; j < MR; ++j)
+            y[(r + j) * ys + (n + i - col0)] = _mm512_reduce_add_ps(acc[i][j]) + bn;
+    }
+}
+
+#define TILE_CASE(NR, MR)                                                                 \
+    case NR * 8 + MR:                                                                     \
+        if (w->qtype == 1)                                                                \
+            q4_1_tile(w, n, NR, qx, dx, sx, nb, r, MR, y, ys, col0);                      \
+        else                                                                              \
+            q8_0_tile(w, n, NR, qx, dx, nb, r, MR, y, ys, col0);                          \
+        break;
+
+/* Dispatch to a constant tile shape (so each is fully unrolled). nr is 1, 2
+ * or 4; 4 x 3-4 tiles run as two 2-row ones (8 accumulators + 4 activation
+ * rows fill the 32 vector registers). */
+static void tile(const fuel_qweight *w, int64_t n, int nr, const int8_t *qx, const float *dx,
+                 const float *sx, int64_t nb, int64_t r, int mr, float *y, int64_t ys,
+                 int64_t col0)
+{
+    if (nr == 4 && mr >= 3) {
+        tile(w, n, 2, qx, dx, sx, nb, r, mr, y, ys, col0);
+        tile(w, n + 2, 2, qx, dx, sx, nb, r, mr, y, ys, col0);
+        return;
+    }
+    switch (nr * 8 + mr) {
+        TILE_CASE(4, 1)
+        TILE_CASE(4, 2)
+        TILE_CASE(2, 1)
+        TILE_CASE(2, 2)
+        TILE_CASE(2, 3)
+        TILE_CASE(2, 4)
+        TILE_CASE(1, 1)
+        TILE_CASE(1, 2)
+        TILE_CASE(1, 3)
+        TILE_CASE(1, 4)
+    }
+}
+#undef TILE_CASE
+
+void fuel_qgemm_rows(const fuel_qweight *w, const int8_t *qx, const float *dx, const float *sx,
+                     int64_t nb, int64_t rows, int64_t n0, int64_t n1, float *y, int64_t ys,
+                     int64_t col0)
+{
+    /* A block of activation rows stays in L2 while the weight rows stream
+     * past it; each tile's weight rows stay in L1 across the block. */
+    for (int64_t rb = 0; rb < rows; rb += ROW_BLOCK) {
+        const int64_t re = rows - rb < ROW_BLOCK ? rows : rb + ROW_BLOCK;
+        for (int64_t n = n0; n < n1;) {
+            const int nr = n1 - n >= 4 ? 4 : n1 - n >= 2 ? 2 : 1;
+            for (int64_t r = rb; r < re; r += MT)
+                tile(w, n, nr, qx, dx, sx, nb, r, re - r < MT ? (int)(re - r) : MT, y, ys, col0);
+            n += nr;
+        }
+    }
+}
+
+/* ---- AVX2 and portable ------------------------------------------------- */
+#else
 
 #ifdef FUEL_AVX2
 static inline float hsum8(__m256 v)
@@ -78,12 +357,20 @@ static inline float hsum8(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-/* Float lanes of sum(u8 a * s8 b) over 32 byte pairs (no saturation for our
+/* int32 lanes of sum(u8 a * s8 b) over 32 byte pairs (no saturation for our
  * ranges: |pair sum| <= 2 * 127 * 127). */
-static inline __m256 dot_u8s8(__m256i a, __m256i b)
+static inline __m256i madd_u8s8(__m256i a, __m256i b)
 {
-    const __m256i p16 = _mm256_maddubs_epi16(a, b);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+}
+
+/* Float lanes of sum(w * (128 hi + lo)) for unsigned weight bytes w and the
+ * hi and lo activation planes of one block. */
+static inline __m256 dot2(__m256i w, const int8_t *hi, const int8_t *lo)
+{
+    const __m256i th = madd_u8s8(w, _mm256_loadu_si256((const __m256i *)hi));
+    const __m256i tl = madd_u8s8(w, _mm256_loadu_si256((const __m256i *)lo));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(th, 7), tl));
 }
 #endif
 
@@ -142,9 +429,9 @@ static inline __attribute__((always_inline)) void q4_1_row(const uint8_t *qs, co
         const __m256i q0 = _mm256_and_si256(raw, low);
         const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
         for (int r = 0; r < mt; ++r) {
-            const int8_t *a = qx + (r * nb + 2 * p) * QK;
-            const __m256 s0 = dot_u8s8(q0, _mm256_loadu_si256((const __m256i *)a));
-            const __m256 s1 = dot_u8s8(q1, _mm256_loadu_si256((const __m256i *)(a + QK)));
+            const int8_t *a = qx + r * FUEL_QX_ROW(nb) + 2 * p * QK, *b = a + nb * QK;
+            const __m256 s0 = dot2(q0, a, b);
+            const __m256 s1 = dot2(q1, a + QK, b + QK);
             acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(ds + r * nb + 2 * p), s0, acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(ds + r * nb + 2 * p + 1), s1, acc[r]);
         }
@@ -155,10 +442,10 @@ static inline __attribute__((always_inline)) void q4_1_row(const uint8_t *qs, co
         float total = 0.0f;
         for (int64_t p = 0; p < nb / 2; ++p) {
             int s0 = 0, s1 = 0;
-            const int8_t *a = qx + (r * nb + 2 * p) * QK;
+            const int8_t *a = qx + r * FUEL_QX_ROW(nb) + 2 * p * QK, *b = a + nb * QK;
             for (int j = 0; j < QK; ++j) {
-                s0 += (qs[p * QK + j] & 0x0f) * a[j];
-                s1 += (qs[p * QK + j] >> 4) * a[QK + j];
+                s0 += (qs[p * QK + j] & 0x0f) * (128 * a[j] + b[j]);
+                s1 += (qs[p * QK + j] >> 4) * (128 * a[QK + j] + b[QK + j]);
             }
             total += ds[r * nb + 2 * p] * (float)s0 + ds[r * nb + 2 * p + 1] * (float)s1;
         }
@@ -182,8 +469,12 @@ static inline __attribute__((always_inline)) void q8_0_row(const int8_t *qs, con
         /* maddubs wants an unsigned operand: |q| against a carrying q's sign. */
         const __m256i uq = _mm256_sign_epi8(q, q);
         for (int r = 0; r < mt; ++r) {
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(qx + (r * nb + b) * QK));
-            const __m256 s = dot_u8s8(uq, _mm256_sign_epi8(a, q));
+            const int8_t *pa = qx + r * FUEL_QX_ROW(nb) + b * QK;
+            const __m256i a = _mm256_loadu_si256((const __m256i *)pa);
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(pa + nb * QK));
+            const __m256i th = madd_u8s8(uq, _mm256_sign_epi8(a, q));
+            const __m256i tl = madd_u8s8(uq, _mm256_sign_epi8(lo, q));
+            const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(th, 7), tl));
             acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(ds + r * nb + b), s, acc[r]);
         }
     }
@@ -193,8 +484,8 @@ static inline __attribute__((always_inline)) void q8_0_row(const int8_t *qs, con
         float total = 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
             int s = 0;
-            const int8_t *a = qx + (r * nb + b) * QK;
-            for (int j = 0; j < QK; ++j) s += qs[b * QK + j] * a[j];
+            const int8_t *a = qx + r * FUEL_QX_ROW(nb) + b * QK, *lo = a + nb * QK;
+            for (int j = 0; j < QK; ++j) s += qs[b * QK + j] * (128 * a[j] + lo[j]);
             total += ds[r * nb + b] * (float)s;
         }
         out[r] = total;
@@ -223,6 +514,31 @@ static inline void weight_row(int qtype, const uint8_t *qs, const uint16_t *d, c
 #undef ROW_CASE
 }
 
+void fuel_qgemm_rows(const fuel_qweight *w, const int8_t *qx, const float *dx, const float *sx,
+                     int64_t nb, int64_t rows, int64_t n0, int64_t n1, float *y, int64_t ys,
+                     int64_t col0)
+{
+    const int64_t qs_row = w->qtype == 1 ? nb / 2 * QK : w->k;
+    float ds[MT * 64];
+    float *scratch = nb <= 64 ? ds : malloc(sizeof(float) * (size_t)(MT * nb));
+    if (!scratch) abort(); /* nb > 64 means K > 2048 per row: 32 KiB, cannot fail in practice */
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *wq = w->qs + n * qs_row;
+        const uint16_t *wd = w->d + n * nb;
+        const uint16_t *wm = w->qtype == 1 ? w->m + n * nb : NULL;
+        const float bn = w->bias ? w->bias[n] : 0.0f;
+        for (int64_t r0 = 0; r0 < rows; r0 += MT) {
+            const int mt = rows - r0 < MT ? (int)(rows - r0) : MT;
+            float out[MT] = {0};
+            weight_row(w->qtype, wq, wd, wm, qx + r0 * FUEL_QX_ROW(nb), dx + r0 * nb, sx + r0 * nb, nb,
+                       mt, scratch, out);
+            for (int r = 0; r < mt; ++r) y[(r0 + r) * ys + (n - col0)] = out[r] + bn;
+        }
+    }
+    if (scratch != ds) free(scratch);
+}
+#endif /* FUEL_VNNI512 */
+
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] when not NULL).
  * qtype 0 (Q8_0): qs [N, K] int8, d [N, K / 32] fp16, m unused (may be NULL).
  * qtype 1 (Q4_1): qs [N, nb / 2, 32], d and m [N, nb] with nb = K / 32 rounded
@@ -232,41 +548,35 @@ int fuel_quant_linear_f32(const float *x, int64_t M, int64_t K, const uint8_t *q
                           const uint16_t *d, const uint16_t *m, int qtype, int64_t N,
                           const float *bias, float *y, int num_threads)
 {
-    const int64_t nb = qtype == 1 ? (K / QK + 1) / 2 * 2 : K / QK;
-    const int64_t qs_row = qtype == 1 ? nb / 2 * QK : K;
-    int8_t *qx = malloc((size_t)(M * nb * QK));
+    const fuel_qweight w = {qs, d, m, bias, N, K, qtype, 0};
+    const int64_t nb = fuel_qx_blocks(qtype, K);
+    int8_t *qx = malloc((size_t)(M * FUEL_QX_ROW(nb)));
     float *dx = malloc(sizeof(float) * (size_t)(M * nb));
     float *sx = malloc(sizeof(float) * (size_t)(M * nb));
-    int failed = !qx || !dx || !sx;
-    if (!failed) {
-        quantize_rows(x, M, K, nb, qx, dx, sx);
-        const int nt = N * nb * M >= PAR_MIN_BLOCKS ? num_threads : 1;
-#pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
-        {
-            float *ds = malloc(sizeof(float) * (size_t)(MT * nb));
-            failed |= !ds;
-            /* Every thread must reach the worksharing loop, even one whose
-             * allocation failed (it then skips its rows; the call fails). */
+    if (!qx || !dx || !sx) {
+        free(qx);
+        free(dx);
+        free(sx);
+        return -1;
+    }
+    const int nt = N * nb * M >= PAR_MIN_BLOCKS ? num_threads : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
 #pragma omp for schedule(static)
-            for (int64_t n = 0; n < N; ++n) {
-                if (!ds) continue;
-                const uint8_t *wq = qs + n * qs_row;
-                const uint16_t *wd = d + n * nb;
-                const uint16_t *wm = qtype == 1 ? m + n * nb : NULL;
-                const float bn = bias ? bias[n] : 0.0f;
-                for (int64_t r0 = 0; r0 < M; r0 += MT) {
-                    const int mt = M - r0 < MT ? (int)(M - r0) : MT;
-                    float out[MT];
-                    weight_row(qtype, wq, wd, wm, qx + r0 * nb * QK, dx + r0 * nb, sx + r0 * nb,
-                               nb, mt, ds, out);
-                    for (int r = 0; r < mt; ++r) y[(r0 + r) * N + n] = out[r] + bn;
-                }
-            }
-            free(ds);
-        }
+        for (int64_t r = 0; r < M; ++r) fuel_qx_quantize_rows(x, K, nb, r, r + 1, qx, dx, sx);
+        /* Weight rows split evenly, in multiples of 4 (whole tiles). */
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        const int t = 0, T = 1;
+#endif
+        const int64_t quads = (N + 3) / 4;
+        int64_t n0 = quads * t / T * 4, n1 = quads * (t + 1) / T * 4;
+        n1 = n1 < N ? n1 : N;
+        if (n0 < n1) fuel_qgemm_rows(&w, qx, dx, sx, nb, M, n0, n1, y, N, 0);
     }
     free(qx);
     free(dx);
     free(sx);
-    return failed ? -1 : 0;
+    return 0;
 }
