@@ -27,6 +27,8 @@ from tests.conftest import default_gguf_path
 from tests.model_utils import TINY_ARCHS, make_tiny_checkpoint
 
 GEN = 12
+# Exact mode: float32 weights and KV cache, token-identical to transformers.
+EXACT: dict[str, object] = {"cpu_linear": "onednn", "kv_cache_dtype": "float32"}
 
 
 def hf_greedy(model_dir: Path | str | Any, prompt: list[int], n: int) -> list[int]:
@@ -105,16 +107,16 @@ def test_greedy_matches_transformers_alone_and_batched(
     model_dir = tiny_dirs[arch]
     prompt = [random.Random(arch).randrange(3, 250) for _ in range(23)]
     want = hf_greedy(model_dir, prompt, GEN)
-    eng = tiny_engine(model_dir)
+    eng = tiny_engine(model_dir, **EXACT)
     alone = LLM(engine=eng).generate([prompt], greedy())[0].token_ids
     assert alone == want
     assert run_batched(eng, prompt, seed=1) == want
     # Small chunks force chunked prefill across block boundaries.
-    eng_small = tiny_engine(model_dir, max_num_batched_tokens=5)
+    eng_small = tiny_engine(model_dir, max_num_batched_tokens=5, **EXACT)
     assert run_batched(eng_small, prompt, seed=2) == want
 
 
-@pytest.mark.parametrize("cpu_linear", ["auto", "q4_1"])
+@pytest.mark.parametrize("cpu_linear", ["onednn", "q4_1"])
 def test_float16_kv_cache_and_q4_1_linears_run_batched(
     tiny_dirs: dict[str, Path], cpu_linear: str
 ) -> None:
@@ -129,17 +131,88 @@ def test_float16_kv_cache_and_q4_1_linears_run_batched(
     assert all(k.dtype == torch.float16 for k, _ in eng.runner.kv_caches)
     alone = LLM(engine=eng).generate([prompt], greedy())[0].token_ids
     assert alone[:2] == want[:2]
-    if cpu_linear == "auto":
+    if cpu_linear == "onednn":
         assert alone == want
-    # Same engine, same rows per step for the target: batching must not change it
-    # for exact linears; q4_1 may (its kernel depends on the batch's row count).
+    # Batching must not change a sequence's tokens: exact linears, and q4_1
+    # wherever every batch size runs the native kernel (it computes each row
+    # the same way whatever the batch; builds without VNNI switch to fp16
+    # weights above 8 rows).
     batched = run_batched(eng, prompt, seed=1)
     assert batched[:2] == want[:2]
-    if cpu_linear == "auto":
-        assert batched == want
+    if cpu_linear == "onednn" or getattr(eng.linear_strategy, "max_native_rows", 0) is None:
+        assert batched == alone
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
     with pytest.raises(ValueError, match=r"--kv-cache-dtype: .fp8. is not one of"):
         tiny_engine(model_dir, kv_cache_dtype="fp8")
+
+
+def _tokens_and_logprobs(
+    eng: LLMEngine, prompts: list[list[int]], n: int
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs, all prompts together (a batched decode)."""
+    p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1)
+    outs = LLM(engine=eng).generate(prompts, p)
+    return [(o.token_ids, [lp.chosen.logprob for lp in o.logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize(
+    ("arch", "cpu_linear", "kv"),
+    [
+        ("llama", "q4_1", "float16"),
+        ("llama-tied", "q4_1", "float32"),
+        ("qwen2", "q4_1", "float16"),  # q/k/v biases
+        ("mistral", "q8_0", "float16"),
+    ],
+)
+def test_fused_decode_step_matches_per_layer(
+    tiny_dirs: dict[str, Path], arch: str, cpu_linear: str, kv: str
+) -> None:
+    """The native decode step (every layer in one call) gives bit for bit the
+    per-layer forward's tokens and logprobs, alone and batched, across block
+    boundaries and chunked prefills."""
+    prompts = [[random.Random(i).randrange(3, 250) for _ in range(5 + 9 * i)] for i in range(4)]
+    runs = {}
+    for mode in ("fused", "per_layer"):
+        eng = tiny_engine(
+            tiny_dirs[arch],
+            cpu_linear=cpu_linear,
+            kv_cache_dtype=kv,
+            cpu_decode_step=mode,
+            max_num_batched_tokens=16,
+        )
+        assert eng.info.decode_step == mode and eng.info.cpu_linear == cpu_linear
+        assert (eng.runner.native_step is not None) == (mode == "fused")
+        runs[mode] = _tokens_and_logprobs(eng, prompts[:1], GEN) + _tokens_and_logprobs(
+            eng, prompts, GEN
+        )
+        assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    assert runs["fused"] == runs["per_layer"]
+
+
+def test_execution_path_resolution(tiny_dirs: dict[str, Path]) -> None:
+    """auto: a float checkpoint runs oneDNN float32 linears with a float16 cache
+    (the native attention backend) and layer by layer; the fused step needs
+    block-quantized linears and no per-head q/k norms; the exact flags are exact."""
+    eng = tiny_engine(tiny_dirs["llama"])
+    assert eng.info.execution() == {
+        "device": "cpu",
+        "dtype": "float32",
+        "cpu_linear": "onednn",
+        "kv_cache_dtype": "float16",
+        "attention": "cpu",
+        "decode_step": "per_layer",
+    }
+    assert "cpu_linear=onednn kv_cache_dtype=float16" in eng.describe()
+    exact = tiny_engine(tiny_dirs["llama"], **EXACT)
+    assert exact.linear_strategy.exact and exact.info.kv_cache_dtype == torch.float32
+    torch_attn = tiny_engine(tiny_dirs["llama"], attention_backend="torch")
+    assert torch_attn.info.kv_cache_dtype == torch.float32  # only the native backend reads fp16
+    qwen3 = tiny_engine(tiny_dirs["qwen3"], cpu_linear="q4_1")
+    assert qwen3.info.decode_step == "per_layer"
+    with pytest.raises(ValueError, match="q/k norms"):
+        tiny_engine(tiny_dirs["qwen3"], cpu_linear="q4_1", cpu_decode_step="fused")
+    with pytest.raises(ValueError, match="block-quantized"):
+        tiny_engine(tiny_dirs["llama"], cpu_decode_step="fused")
 
 
 def test_prefix_cache_on_off_identical(tiny_dirs: dict[str, Path]) -> None:
@@ -253,8 +326,15 @@ def test_abort_returns_blocks(tiny_dirs: dict[str, Path]) -> None:
 @pytest.mark.slow
 def test_default_gguf_greedy_matches_transformers(hf_gguf_model: Any) -> None:
     llm = LLM(
-        EngineConfig(debug_invariants=True, kv_cache_memory=64 << 20, max_num_batched_tokens=64)
+        EngineConfig(
+            debug_invariants=True,
+            kv_cache_memory=64 << 20,
+            max_num_batched_tokens=64,
+            cpu_linear="onednn",
+            kv_cache_dtype="float32",
+        )
     )
+    assert llm.engine.info.execution()["cpu_linear"] == "onednn"
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colors."}])
     want = hf_greedy(hf_gguf_model, prompt, 24)
     got = llm.generate([prompt], greedy(24))[0].token_ids

@@ -674,22 +674,59 @@ def scalar_cpu_kernels(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
         pytest.skip(f"native CPU kernels not buildable here: {e}")
 
 
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(flag in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def avx2_cpu_kernels(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    """The same library built without AVX-512: the AVX2 integer-dot path, which
+    CPUs without AVX-512 VNNI run."""
+    if not _cpu_has("avx2") or os.uname().machine != "x86_64":
+        pytest.skip("this CPU has no AVX2")
+    try:
+        kern = CpuKernels.load(tmp_path_factory.mktemp("avx2"), extra_flags=("-mno-avx512f",))
+    except NativeBuildError as e:
+        pytest.skip(f"native CPU kernels not buildable here: {e}")
+    assert kern.quant_caps == cpu_native.QUANT_CAPS_AVX2
+    return kern
+
+
+@pytest.fixture(scope="module")
+def vnni_cpu_kernels(cpu_kernels: CpuKernels) -> CpuKernels:
+    """The default (-march=native) build, which has the AVX-512 VNNI path
+    exactly where the CPU has AVX-512 VNNI."""
+    has = all(_cpu_has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+    assert cpu_kernels.has_avx512_vnni == has
+    if not has:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    return cpu_kernels
+
+
+_BUILDS = ["vnni_cpu_kernels", "avx2_cpu_kernels", "scalar_cpu_kernels"]
+
+
 @pytest.mark.parametrize("quantize", [quantize_q8_0, quantize_q4_1])
-@pytest.mark.parametrize("k", [32, 96, 576])  # 96: an odd block count (Q4_1 pads a block)
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("k", [32, 96, 576, 1536])  # 96: an odd block count (Q4_1 pads a block)
+@pytest.mark.parametrize("build", _BUILDS)
 def test_quant_linear_matches_ref(
-    request: pytest.FixtureRequest, quantize: Any, k: int, portable: bool
+    request: pytest.FixtureRequest, quantize: Any, k: int, build: str
 ) -> None:
-    kern: CpuKernels = request.getfixturevalue("scalar_cpu_kernels" if portable else "cpu_kernels")
+    kern: CpuKernels = request.getfixturevalue(build)
     g = torch.Generator().manual_seed(k)
     for n in (1, 7, 200):
         w = torch.randn(n, k, generator=g)
         qw = quantize(w)
         bias = torch.randn(n, generator=g)
-        # rows on both sides of the 4-row tile; 300 x 200 x 18 blocks crosses the
-        # kernel's threading threshold
-        for rows in (1, 3, 4, 5, 9, 300 if k == 576 else 2):
+        # rows on both sides of the 4-row tile and of the 64-row block; 300 x 200
+        # x 18 blocks crosses the kernel's threading threshold
+        for rows in (1, 3, 4, 5, 9, 70, 300 if k == 576 else 2):
             x = torch.randn(rows, k, generator=g) * 3
+            x[0, :5] *= 50  # an outlier block: 8-bit activation codes would lose the rest
             for b in (None, bias):
                 got = kern.quant_linear(x, qw, b)
                 want = quant_linear_ref(x, qw, b)
@@ -706,6 +743,36 @@ def test_quant_linear_matches_ref(
         # half a step, plus float16 rounding of the scale(s) times the largest code
         slack = step * (0.5 + 16 * 2.0**-10) + blocks.abs().amax(-1) * 2.0**-10
         assert bool((err.reshape(n, -1, 32) <= slack[..., None] + 1e-6).all())
+
+
+def test_activation_codes_are_15_bit() -> None:
+    """The reference's activation rounding: 128 codes per 8-bit step of the
+    block's amax / 127, so an outlier block keeps its small entries."""
+    from kernels.quant_linear import quantize_activations_ref
+
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1], x[0, 2] = 127.0, 0.3, -0.004
+    got = quantize_activations_ref(x)
+    # dx = 1, codes of 1/128: 0.3 -> 38/128, -0.004 -> -1/128 (8-bit codes: 0 and 0)
+    assert got[0, :3].tolist() == [127.0, 38 / 128, -1 / 128]
+
+
+@pytest.mark.parametrize("quantize", [quantize_q8_0, quantize_q4_1])
+@pytest.mark.parametrize("build", _BUILDS)
+def test_quant_linear_rows_do_not_depend_on_the_batch(
+    request: pytest.FixtureRequest, quantize: Any, build: str
+) -> None:
+    """Each output row is bit for bit the same alone as inside any batch: the
+    kernel computes every output by one sequence of operations (tiles of any
+    shape, any split of the weight rows across threads)."""
+    kern: CpuKernels = request.getfixturevalue(build)
+    g = torch.Generator().manual_seed(3)
+    qw = quantize(torch.randn(203, 96, generator=g))
+    bias = torch.randn(203, generator=g)
+    x = torch.randn(75, 96, generator=g)
+    whole = kern.quant_linear(x, qw, bias)
+    for lo, hi in ((0, 1), (5, 6), (3, 10), (70, 75), (0, 64), (1, 75)):
+        assert torch.equal(kern.quant_linear(x[lo:hi].contiguous(), qw, bias), whole[lo:hi])
 
 
 def test_quant_linear_rejects_mismatches(cpu_kernels: CpuKernels) -> None:
@@ -753,17 +820,23 @@ def test_block_quant_linear_routes_by_rows(cpu_kernels: CpuKernels) -> None:
 
     g = torch.Generator().manual_seed(1)
     w, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
-    lin = BlockQuantLinear(w, bias, cpu_kernels, Q4_1, max_native_rows=4)  # default 8
-    assert isinstance(lin.qweight, QuantWeight) and lin.qweight.qtype == Q4_1
     small, large = torch.randn(4, 64, generator=g), torch.randn(5, 64, generator=g)
+    # No row limit (the AVX-512 VNNI default): every batch through the native kernel.
+    lin = BlockQuantLinear(w, bias, cpu_kernels, Q4_1)
+    assert isinstance(lin.qweight, QuantWeight) and lin.qweight.qtype == Q4_1
+    assert lin.large is None
+    assert torch.equal(lin(large), cpu_kernels.quant_linear(large, lin.qweight, lin.bias_f32))
+    assert torch.equal(lin(large.view(5, 1, 64)).view(5, 48), lin(large))
+    # A row limit (builds without VNNI): fp16 weights above it.
+    lin = BlockQuantLinear(w, bias, cpu_kernels, Q4_1, max_native_rows=4)
+    assert lin.large is not None
     assert torch.equal(lin(small), cpu_kernels.quant_linear(small, lin.qweight, lin.bias_f32))
     assert torch.equal(lin(large), lin.large(large))
-    # Both stand for the Q4_1 blocks' weight: fp16 weights (large) nearly
-    # exactly; the native path with activations quantized to 8 bits.
-    exact = large @ dequantize(lin.qweight).T + bias
-    assert float((lin(large) - exact).abs().max()) < 2e-3 * float(exact.abs().max())
-    blocks = small @ dequantize(lin.qweight).T + bias
-    assert float((lin(small) - blocks).abs().max()) < 0.02 * float(blocks.abs().max())
+    # Both stand for the Q4_1 blocks' weight: fp16 weights (large) and 15-bit
+    # activation codes (native) nearly exactly.
+    for x in (small, large):
+        exact = x @ dequantize(lin.qweight).T + bias
+        assert float((lin(x) - exact).abs().max()) < 2e-3 * float(exact.abs().max())
 
 
 def test_portable_half_cache_matches_f16c(
