@@ -66,6 +66,7 @@ class EngineClient(Protocol):
     max_model_len: int
     log_prompts: bool
     traces_enabled: bool
+    execution_info: dict[str, str]  # which path runs (linears, KV cache, attention)
 
     async def start(self) -> None: ...
     async def shutdown(self) -> None: ...
@@ -1484,6 +1485,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
                     "root": engine.model_name,
                     "parent": None,
                     "max_model_len": engine.max_model_len,
+                    "fuel": dict(engine.execution_info),
                 }
                 for name in _served_names(config, engine)
             ],

@@ -91,6 +91,9 @@ class FakeEngine:
     started: bool = False
     stopped: bool = False
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    execution_info: dict[str, str] = field(
+        default_factory=lambda: {"cpu_linear": "q4_1", "kv_cache_dtype": "float16"}
+    )
 
     async def start(self) -> None:
         self.started = True

@@ -80,6 +80,8 @@ def test_models_and_health(client: TestClient) -> None:
     assert_schema(body, "ListModelsResponse")
     assert body["data"][0]["id"] == "fake-model"
     assert body["data"][0]["max_model_len"] == 128
+    # Our extension field (the Model schema allows extra properties): the execution path.
+    assert body["data"][0]["fuel"] == {"cpu_linear": "q4_1", "kv_cache_dtype": "float16"}
     assert client.get("/v1/models/fake-model").json()["id"] == "fake-model"
     assert client.get("/health").status_code == 200
     assert client.get("/version").json()["version"]
