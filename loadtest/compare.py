@@ -1,12 +1,17 @@
-"""``loadtest compare``: Fuel Serve against llama.cpp's server on the same model.
+"""``loadtest compare``: Fuel Serve against llama.cpp's server, side by side, in one command.
 
-Both servers are started on loopback (or given with ``--ours-url`` /
-``--peer-url`` when already running), and every (workload, concurrency) cell is
-run alternately, ours then peer, ``--repeats`` times (A, B, A, B), so slow
-drift of the machine (other jobs, thermal state) hits both sides alike. Each
-side's repeats are pooled: latency statistics over all requests, throughput
-as total work over total time. The result is a markdown table of ratios
-(ours / peer) written to ``docs/benchmarks/cpu.md`` by default.
+Ours and one peer per ``--peer-model`` (by default the same Q4_1 GGUF and, when
+``loadtest/build_peer.sh`` has made it, its F16 conversion: llama.cpp's best
+configuration differs by figure) are started on loopback (or given with
+``--ours-url`` / ``--peer-url`` when already running). Every (workload,
+concurrency) cell runs each side in turn, ``--repeats`` times (A, B, C, A, B,
+C, ...), so slow drift of the machine (other jobs, thermal state) hits every
+side alike. The ``prefill`` cell sends cold ~``--prefill-len``-token prompts
+(new ones each repeat, so no prefix cache helps) for one output token.
+While each run lasts, the servers' resident set sizes are sampled. The
+report (loadtest/compare_report.py) gives each side's pooled figures with
+the per-repeat range, ours / best-peer ratios, and issue 23's targets met or
+not; it goes to ``docs/benchmarks/cpu.md`` by default.
 
 The peer is, in order of preference: ``--peer-bin`` or a ``llama-server`` on
 PATH (continuous batching over ``--parallel`` slots), else
@@ -19,15 +24,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import shlex
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -36,14 +41,19 @@ import httpx
 
 from loadtest.bench import Bench, make_client, resolve_model
 from loadtest.cliargs import add_workload_args, bench_options, common_record
+from loadtest.compare_report import PREFILL, RepeatResult, SideResult, render_markdown
 from loadtest.guard import check_loopback_url
-from loadtest.metrics import BenchmarkMetrics, RequestResult, compute_metrics, parse_goodput
+from loadtest.metrics import parse_goodput
 from loadtest.report import server_info, write_json
-from loadtest.workloads import WORKLOADS, default_gguf
+from loadtest.rss import RssSampler
+from loadtest.workloads import WORKLOADS, WorkloadOptions, default_gguf
 
-DEFAULT_GRID = "questions:1,16,32;shared-prefix:1,16"
+DEFAULT_GRID = "questions:1,16,32;shared-prefix:1,16;prefill:1"
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "cpu.md"
 DEFAULT_PEER_VENV = Path("/work/peer-venv")
+# Where loadtest/build_peer.sh puts the F16 conversion of the default GGUF.
+DEFAULT_F16 = Path("/work/peer/SmolLM2-135M-Instruct.F16.gguf")
+PREFILL_SEED_STRIDE = 7919  # each repeat's cold prompts differ from the last
 
 
 def parse_grid(text: str) -> list[tuple[str, int]]:
@@ -54,7 +64,7 @@ def parse_grid(text: str) -> list[tuple[str, int]]:
             continue
         name, sep, levels = part.partition(":")
         name = name.strip()
-        if not sep or name not in WORKLOADS:
+        if not sep or name not in (*WORKLOADS, PREFILL):
             raise argparse.ArgumentTypeError(f"bad --grid item {part!r}: use WORKLOAD:C1,C2,...")
         try:
             cs = [int(c) for c in levels.split(",") if c.strip()]
@@ -76,9 +86,19 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
         default=parse_grid(DEFAULT_GRID),
         help=f"cells as WORKLOAD:C1,C2;... (default {DEFAULT_GRID!r})",
     )
-    p.add_argument("--repeats", type=int, default=2, help="A,B alternations per cell")
+    p.add_argument("--repeats", type=int, default=3, help="alternations of all sides per cell")
+    p.add_argument(
+        "--peer-model",
+        type=Path,
+        action="append",
+        default=None,
+        help="a GGUF for one peer server (repeatable; default: the model, plus its F16 "
+        f"conversion {DEFAULT_F16} when it exists)",
+    )
+    p.add_argument("--prefill-len", type=int, default=1600, help="prefill cell prompt tokens")
+    p.add_argument("--prefill-requests", type=int, default=3, help="prefill cell prompts/repeat")
     p.add_argument("--ours-url", default=None, help="use a running Fuel Serve instead")
-    p.add_argument("--peer-url", default=None, help="use a running peer instead")
+    p.add_argument("--peer-url", action="append", default=None, help="use running peer(s) instead")
     p.add_argument(
         "--ours-arg",
         action="append",
@@ -129,6 +149,7 @@ class ServerSpec:
     health_path: str
     notes: str = ""
     sends_usage: bool = True  # False: its streams never carry usage
+    side: str = "ours"  # the report's column: ours, peer or peer:LABEL
 
     @property
     def url(self) -> str:
@@ -151,7 +172,12 @@ def ours_spec(model: Path, extra: Sequence[str]) -> ServerSpec:
     return ServerSpec("fuel-serve", argv, port, "/health")
 
 
-def peer_spec(a: argparse.Namespace, model: Path) -> ServerSpec:
+def peer_label(model: Path) -> str:
+    """``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``Q4_1``: the variant, for column names."""
+    return model.stem.rsplit(".", 1)[-1] if "." in model.stem else model.stem
+
+
+def peer_spec(a: argparse.Namespace, model: Path, side: str = "peer") -> ServerSpec:
     """llama-server if available, else llama-cpp-python's server; RuntimeError if neither."""
     port = free_port()
     binary = a.peer_bin or shutil.which("llama-server")
@@ -173,7 +199,7 @@ def peer_spec(a: argparse.Namespace, model: Path) -> ServerSpec:
             str(a.ctx_per_slot * a.parallel),
         ]
         notes = f"llama-server, {a.parallel} slots, continuous batching, {a.threads} threads"
-        return ServerSpec("llama-server", argv, port, "/health", notes)
+        return ServerSpec("llama-server", argv, port, "/health", notes, side=side)
     py = a.peer_venv / "bin" / "python"
     if py.exists():
         # interrupt_requests defaults to True, which aborts the streaming request
@@ -200,7 +226,9 @@ def peer_spec(a: argparse.Namespace, model: Path) -> ServerSpec:
             "lock; no slots, no continuous batching); it sends no usage, so its output "
             "tokens are counted as content chunks"
         )
-        return ServerSpec("llama_cpp.server", argv, port, "/v1/models", notes, sends_usage=False)
+        return ServerSpec(
+            "llama_cpp.server", argv, port, "/v1/models", notes, sends_usage=False, side=side
+        )
     raise RuntimeError(
         "no peer: give --peer-bin, put llama-server on PATH, or install "
         f"llama-cpp-python[server] in {a.peer_venv} (see docs/LOADTEST.md)"
@@ -226,6 +254,15 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: floa
 @contextlib.contextmanager
 def running(spec: ServerSpec, log_path: Path, timeout_s: float) -> Iterator[str]:
     """Start ``spec``, wait until healthy, yield its URL; always stop it afterwards."""
+    with running_process(spec, log_path, timeout_s) as (url, _pid):
+        yield url
+
+
+@contextlib.contextmanager
+def running_process(
+    spec: ServerSpec, log_path: Path, timeout_s: float
+) -> Iterator[tuple[str, int]]:
+    """As :func:`running`, yielding (URL, pid)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         print(f"starting {spec.name}: {shlex.join(spec.argv)} (log: {log_path})")
@@ -237,7 +274,7 @@ def running(spec: ServerSpec, log_path: Path, timeout_s: float) -> Iterator[str]
         )
         try:
             wait_healthy(spec.url + spec.health_path, proc, timeout_s)
-            yield spec.url
+            yield spec.url, proc.pid
         finally:
             proc.terminate()
             try:
@@ -247,92 +284,26 @@ def running(spec: ServerSpec, log_path: Path, timeout_s: float) -> Iterator[str]
                 proc.wait()
 
 
-@dataclass
-class SideResult:
-    """One side of one cell: every repeat's requests and durations."""
-
-    results: list[RequestResult] = field(default_factory=list)
-    duration_s: float = 0.0
-    cancelled: int = 0
-
-    def metrics(self, slos: dict[str, float]) -> BenchmarkMetrics:
-        return compute_metrics(self.results, self.duration_s, slos)
-
-
-# (label, getter, higher is better)
-ROWS: list[tuple[str, Any, bool]] = [
-    ("output tok/s", lambda m: m.output_throughput, True),
-    ("requests/s", lambda m: m.request_throughput, True),
-    ("TTFT p50 (ms)", lambda m: m.ttft.median_ms, False),
-    ("TTFT p99 (ms)", lambda m: m.ttft.percentiles_ms.get("p99"), False),
-    ("TPOT p50 (ms)", lambda m: m.tpot.median_ms, False),
-    ("ITL p99 (ms)", lambda m: m.itl.percentiles_ms.get("p99"), False),
-    ("E2E p50 (ms)", lambda m: m.e2el.median_ms, False),
-]
-
-
-def _fmt(x: float | None) -> str:
-    if x is None or x != x:
-        return "n/a"
-    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
-
-
-def render_markdown(
-    cells: dict[tuple[str, int], dict[str, SideResult]],
-    slos: dict[str, float],
-    header: dict[str, Any],
-) -> str:
-    """The comparison report: context, then one row per (cell, metric) with ours/peer."""
-    lines = [
-        "# CPU benchmark: Fuel Serve vs llama.cpp",
-        "",
-        f"- Date: {header['date']}",
-        f"- Command: `{header['command']}`",
-        f"- Git commit: `{header['git'].get('commit')}`"
-        + (" (uncommitted changes)" if header["git"].get("dirty") else ""),
-        f"- Machine: {header['machine']['cpu_model']}, {header['machine']['usable_cores']} usable "
-        f"cores, {header['machine']['memory_gib']} GiB RAM, {header['machine']['os']}",
-        f"- Model: `{header['model_path']}`",
-        f"- Ours: `{header['ours']}`",
-        f"- Peer: `{header['peer']}` {header.get('peer_notes', '')}",
-        f"- Per cell: {header['repeats']} x (ours, then peer), "
-        f"{header['num_requests']} requests each, max_tokens {header['max_tokens']}, "
-        f"temperature {header['temperature']}; repeats pooled.",
-        "",
-        "Ratio is ours / peer. For throughput higher is better; for latencies lower is better.",
-        "",
-        "| workload | conc | metric | ours | peer | ours/peer |",
-        "|---|---:|---|---:|---:|---:|",
-    ]
-    for (workload, conc), sides in cells.items():
-        mo, mp = sides["ours"].metrics(slos), sides["peer"].metrics(slos)
-        for label, get, _higher in ROWS:
-            vo, vp = get(mo), get(mp)
-            ratio = vo / vp if vo is not None and vp and vo == vo and vp == vp else None
-            lines.append(
-                f"| {workload} | {conc} | {label} | {_fmt(vo)} | {_fmt(vp)} | "
-                f"{'n/a' if ratio is None else f'{ratio:.2f}x'} |"
-            )
-        lines.append(
-            f"| {workload} | {conc} | failed / cancelled | {mo.failed} / "
-            f"{sides['ours'].cancelled} | {mp.failed} / {sides['peer'].cancelled} | |"
+def _cell_bench(a: argparse.Namespace, url: str, workload: str, rep: int) -> Bench:
+    """The Bench of one run; the prefill cell gets fresh cold prompts every repeat."""
+    opts = bench_options(a, url, "long-prompt" if workload == PREFILL else workload)
+    if workload == PREFILL:
+        w: WorkloadOptions = opts.workload_opts
+        opts.workload_opts = replace(
+            w, input_len=a.prefill_len, max_tokens=1, seed=a.seed + PREFILL_SEED_STRIDE * (rep + 1)
         )
-    errors = [
-        f"- {side}, {workload} c={conc}: {err} (x{n})"
-        for (workload, conc), sides in cells.items()
-        for side, res in sides.items()
-        for err, n in sorted(Counter(r.error for r in res.results if not r.success).items())
-    ]
-    if errors:
-        lines += ["", "Failures:", "", *errors]
-    lines.append("")
-    return "\n".join(lines)
+        opts.num_requests, opts.num_warmup = a.prefill_requests, 0
+    return Bench(opts)
 
 
 async def _drive(
-    a: argparse.Namespace, urls: dict[str, str], no_usage: set[str]
+    a: argparse.Namespace,
+    urls: dict[str, str],
+    no_usage: set[str],
+    rss: RssSampler | None,
 ) -> dict[tuple[str, int], dict[str, SideResult]]:
-    """Run every cell, alternating sides; ``no_usage`` names sides that send no usage."""
+    """Run every cell, each side in turn per repeat; ``no_usage`` names sides
+    whose streams carry no usage."""
     cells: dict[tuple[str, int], dict[str, SideResult]] = {}
     max_conn = max(c for _, c in a.grid)
     benches: dict[str, Bench] = {}
@@ -346,32 +317,72 @@ async def _drive(
         for workload, conc in a.grid:
             cell = cells.setdefault((workload, conc), {s: SideResult() for s in urls})
             for rep in range(a.repeats):
-                for side, url in urls.items():  # dict order: ours, then peer
-                    key = f"{side}:{workload}"
+                for side, url in urls.items():  # dict order: ours, then the peers
+                    key = f"{side}:{workload}" + (f":{rep}" if workload == PREFILL else "")
                     if key not in benches:
-                        opts = bench_options(a, url, workload)
-                        opts.count_chunks_without_usage |= side in no_usage
-                        benches[key] = Bench(opts)
-                    out = await benches[key].run_level(
-                        clients[side],
-                        models[side],
-                        conc,
-                        label=f"{side} {workload} c={conc} #{rep + 1}",
-                    )
+                        benches[key] = _cell_bench(a, url, workload, rep)
+                        benches[key].opts.count_chunks_without_usage |= side in no_usage
+                    if rss is not None:
+                        rss.mark()
+                    label = f"{side} {workload} c={conc} #{rep + 1}"
+                    out = await benches[key].run_level(clients[side], models[side], conc, label)
+                    peak = rss.mark().get(side) if rss is not None else None
                     m = out.metrics
                     print(
-                        f"{side:>5} {workload} c={conc} #{rep + 1}: "
-                        f"{m.output_throughput:.1f} out tok/s, TTFT p50 {m.ttft.median_ms:.0f} ms, "
-                        f"failed {m.failed}"
+                        f"{label}: {m.output_throughput:.1f} out tok/s, "
+                        f"TTFT p50 {m.ttft.median_ms:.0f} ms, failed {m.failed}"
                     )
-                    cell[side].results.extend(out.load.results)
-                    cell[side].duration_s += out.load.duration_s
-                    cell[side].cancelled += out.load.cancelled
+                    load = out.load
+                    cell[side].repeats.append(
+                        RepeatResult(load.results, load.duration_s, load.cancelled, peak)
+                    )
     return cells
 
 
+def _peer_models(a: argparse.Namespace, model: Path) -> list[Path]:
+    if a.peer_model:
+        return list(a.peer_model)
+    return [model] + ([DEFAULT_F16] if a.model_path is None and DEFAULT_F16.exists() else [])
+
+
+def _start_servers(
+    a: argparse.Namespace, model: Path, stack: contextlib.ExitStack, log_dir: Path, stamp: str
+) -> tuple[dict[str, str], dict[str, str], dict[str, int], set[str]]:
+    """(side -> URL, side -> command or note, side -> pid of the servers started
+    here, sides whose streams carry no usage); ours first."""
+    urls: dict[str, str] = {}
+    cmds: dict[str, str] = {}
+    pids: dict[str, int] = {}
+    no_usage: set[str] = set()
+    specs: list[ServerSpec] = []
+    if a.ours_url:
+        urls["ours"] = check_loopback_url(a.ours_url)
+        cmds["ours"] = f"running server at {urls['ours']}"
+    else:
+        specs.append(ours_spec(model, a.ours_arg))
+    if a.peer_url:
+        for i, u in enumerate(a.peer_url):
+            side = "peer" if len(a.peer_url) == 1 else f"peer:{i + 1}"
+            urls[side] = check_loopback_url(u)
+            cmds[side] = f"running server at {urls[side]}"
+    else:
+        peers = _peer_models(a, model)
+        for pm in peers:
+            specs.append(peer_spec(a, pm, "peer" if len(peers) == 1 else f"peer:{peer_label(pm)}"))
+    for spec in specs:
+        cmds[spec.side] = shlex.join(spec.argv) + (f" ({spec.notes})" if spec.notes else "")
+        if not spec.sends_usage:
+            no_usage.add(spec.side)
+        log = log_dir / f"{stamp}-{spec.side.replace(':', '-')}.log"
+        urls[spec.side], pids[spec.side] = stack.enter_context(
+            running_process(spec, log, a.startup_timeout)
+        )
+    ordered = {s: urls[s] for s in ["ours", *[s for s in urls if s != "ours"]]}
+    return ordered, cmds, pids, no_usage
+
+
 def run_compare(a: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run the comparison; returns the exit status (0 when both sides completed requests)."""
+    """Run the comparison; returns the exit status (0 when every side completed requests)."""
     if a.repeats < 1:
         raise ValueError("--repeats must be at least 1")
     if a.endpoint != "chat" and any(w == "multi-turn" for w, _ in a.grid):
@@ -379,50 +390,36 @@ def run_compare(a: argparse.Namespace, argv: Sequence[str]) -> int:
     model = a.model_path or default_gguf()
     log_dir = a.log_dir or a.result_dir
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     with contextlib.ExitStack() as stack:
-        specs: dict[str, str] = {}
-        urls: dict[str, str] = {}
-        peer_notes = ""
-        no_usage: set[str] = set()
-        if a.ours_url:
-            urls["ours"] = check_loopback_url(a.ours_url)
-            specs["ours"] = f"running server at {urls['ours']}"
-        else:
-            s = ours_spec(model, a.ours_arg)
-            specs["ours"] = shlex.join(s.argv)
-            urls["ours"] = stack.enter_context(
-                running(s, log_dir / f"{stamp}-ours.log", a.startup_timeout)
-            )
-        if a.peer_url:
-            urls["peer"] = check_loopback_url(a.peer_url)
-            specs["peer"] = f"running server at {urls['peer']}"
-        else:
-            s = peer_spec(a, model)
-            specs["peer"], peer_notes = shlex.join(s.argv), f"({s.notes})"
-            if not s.sends_usage:
-                no_usage.add("peer")
-            urls["peer"] = stack.enter_context(
-                running(s, log_dir / f"{stamp}-peer.log", a.startup_timeout)
-            )
+        urls, cmds, pids, no_usage = _start_servers(a, model, stack, log_dir, stamp)
+        rss = RssSampler(pids).start() if pids else None
+        idle_rss = rss.now() if rss is not None else None
         info = asyncio.run(_server_infos(urls))
-        cells = asyncio.run(_drive(a, urls, no_usage))
+        try:
+            cells = asyncio.run(_drive(a, urls, no_usage, rss))
+        finally:
+            if rss is not None:
+                rss.stop()
     common = common_record(a, argv)
     header = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": common["command_line"],
         "git": common["git"],
         "machine": common["machine"],
+        "load_before": load_before,
+        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "model_path": str(model),
-        "ours": specs["ours"],
-        "peer": specs["peer"],
-        "peer_notes": peer_notes,
+        "servers": cmds,
         "repeats": a.repeats,
         "num_requests": a.num_requests,
         "max_tokens": a.max_tokens,
         "temperature": a.temperature,
+        "prefill_len": a.prefill_len,
+        "prefill_requests": a.prefill_requests,
     }
     slos = bench_slos(a)
-    md = render_markdown(cells, slos, header)
+    md = render_markdown(cells, slos, header, idle_rss)
     a.output.parent.mkdir(parents=True, exist_ok=True)
     a.output.write_text(md)
     print(md)
@@ -431,24 +428,30 @@ def run_compare(a: argparse.Namespace, argv: Sequence[str]) -> int:
         **common,
         "header": header,
         "servers": info,
-        "cells": [
-            {
-                "workload": w,
-                "concurrency": c,
-                **{
-                    side: {
-                        "metrics": r.metrics(slos).to_json(),
-                        "requests": [x.to_json() for x in r.results],
-                    }
-                    for side, r in sides.items()
-                },
-            }
-            for (w, c), sides in cells.items()
-        ],
+        "idle_rss_bytes": idle_rss,
+        "cells": [_cell_record(w, c, sides, slos) for (w, c), sides in cells.items()],
     }
     print(f"wrote {write_json(a.result_dir / f'{stamp}-compare.json', record)}")
     ok = all(s.metrics(slos).completed > 0 for sides in cells.values() for s in sides.values())
     return 0 if ok else 1
+
+
+def _cell_record(
+    workload: str, conc: int, sides: dict[str, SideResult], slos: dict[str, float]
+) -> dict[str, Any]:
+    return {
+        "workload": workload,
+        "concurrency": conc,
+        **{
+            side: {
+                "metrics": r.metrics(slos).to_json(),
+                "per_repeat": [m.to_json() for m in r.per_repeat(slos)],
+                "rss_peak_bytes": [x.rss_peak for x in r.repeats],
+                "requests": [x.to_json() for x in r.results],
+            }
+            for side, r in sides.items()
+        },
+    }
 
 
 def bench_slos(a: argparse.Namespace) -> dict[str, float]:

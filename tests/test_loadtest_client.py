@@ -297,10 +297,12 @@ def test_compare_alternates_and_writes_markdown(
     md = out.read_text()
     assert "| questions | 2 | output tok/s |" in md
     assert "| shared-prefix | 1 | TTFT p50 (ms) |" in md
-    assert "Git commit" in md and "Machine" in md
+    assert "Git commit" in md and "Machine" in md and "## Targets" in md
+    assert "one stream: TPOT p50 <= 1.0x the Q4_1 peer" in md
     rec = json.loads(next(tmp_path.glob("*-compare.json")).read_text())
     assert [c["concurrency"] for c in rec["cells"]] == [1, 2, 1]
     assert len(rec["cells"][0]["ours"]["requests"]) == 4  # two repeats pooled
+    assert len(rec["cells"][0]["peer"]["per_repeat"]) == 2  # and each kept for the spread
 
 
 def test_random_workload_with_the_default_models_tokenizer() -> None:

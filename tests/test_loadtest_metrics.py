@@ -243,3 +243,68 @@ def test_long_prompt_workload_lengths() -> None:
     sessions = build_sessions("long-prompt", 3, opts, CharTokenizer())
     texts = [s.turns[0] for s in sessions]
     assert all(len(t) > 3000 for t in texts) and len(set(texts)) == 3
+
+
+def test_compare_report_spread_targets_and_prefill() -> None:
+    """The compare report: pooled figures with the per-repeat range, ratios to
+    the best peer (or the named one), cold prefill tok/s, memory rows."""
+    from loadtest.compare_report import (
+        PREFILL,
+        RepeatResult,
+        SideResult,
+        figures,
+        prefill_tok_s,
+        render_markdown,
+    )
+
+    def req(ttft: float, n_out: int, tpot: float, prompt: int = 10) -> RequestResult:
+        gaps = [tpot] * (n_out - 1)
+        return RequestResult(True, prompt, n_out, ttft, gaps, ttft + tpot * (n_out - 1))
+
+    def side(tpots: list[float], rss: int) -> SideResult:
+        return SideResult([RepeatResult([req(0.1, 11, t)], 1.0, 0, rss) for t in tpots])
+
+    cells = {
+        ("questions", 1): {
+            "ours": side([0.008, 0.010], 300 << 20),
+            "peer:Q4_1": side([0.0075, 0.0075], 200 << 20),
+            "peer:F16": side([0.012, 0.012], 400 << 20),
+        },
+        (PREFILL, 1): {
+            s: SideResult([RepeatResult([req(t, 1, 0.0, prompt=1600)], t, 0)])
+            for s, t in (("ours", 1.0), ("peer:Q4_1", 4.0), ("peer:F16", 2.0))
+        },
+    }
+    assert prefill_tok_s(cells[(PREFILL, 1)]["ours"].results) == 1600.0
+    figs = {(f.workload, f.label): f for f in figures(cells, {})}
+    tpot = figs[("questions", "TPOT p50 (ms)")]
+    assert tpot.spread["ours"] == pytest.approx((8.0, 10.0))
+    assert tpot.pooled["ours"] == pytest.approx(9.0)
+    assert figs[("questions", "RSS peak (MiB)")].pooled == {
+        "ours": 300.0,
+        "peer:Q4_1": 200.0,
+        "peer:F16": 400.0,
+    }
+    header = {
+        "date": "d",
+        "command": "c",
+        "git": {"commit": "abc"},
+        "machine": {"cpu_model": "x", "usable_cores": 2, "memory_gib": 1, "os": "linux"},
+        "model_path": "m",
+        "servers": {"ours": "o", "peer:Q4_1": "p", "peer:F16": "f"},
+        "repeats": 2,
+        "num_requests": 1,
+        "max_tokens": 11,
+        "temperature": 0,
+    }
+    md = render_markdown(cells, {}, header, {"ours": 250 << 20, "peer:Q4_1": 100 << 20})
+    # TPOT 9.0 vs the Q4_1 peer's 7.5: 1.20x, not met; prefill 1600 vs the best
+    # peer's 800 tok/s: 2.00x, met; idle RSS 250 vs 100 MiB: 2.50x, not met.
+    assert (
+        "| one stream: TPOT p50 <= 1.0x the Q4_1 peer | 9.00 | peer:Q4_1 7.50 | 1.20x | no |" in md
+    )
+    assert (
+        "| cold prefill tok/s >= 1.5x the best peer | 1600.0 | peer:F16 800.0 | 2.00x | yes |" in md
+    )
+    assert "| RSS idle <= 1.5x the Q4_1 peer's | 250.0 | peer:Q4_1 100.0 | 2.50x | no |" in md
+    assert "| questions | 1 | TPOT p50 (ms) | 9.00 (8.00–10.0) | 7.50 | 12.0 | 1.20x |" in md
