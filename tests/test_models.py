@@ -414,7 +414,7 @@ def test_gguf_cpu_speed_options_stay_close(
     path = resolve_model_path(None)
     fast = load_model(path, cfg, CpuNativeAttentionBackend(kernels), torch.float32, "cpu")
     if mode == "q4_1":
-        BlockQuantLinears(kernels, Q4_1, None if kernels.has_avx512_vnni else 8).apply(fast)
+        BlockQuantLinears(kernels, Q4_1).apply(fast)
     elif mode == "int8":
         Int8Linears().apply(fast)
     steps = 16

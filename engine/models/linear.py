@@ -120,15 +120,14 @@ class Fp16Linear(nn.Module):
 class BlockQuantLinear(nn.Module):
     """Block-quantized weight (Q4_1 or Q8_0, kernels/quant_linear.py) on the CPU.
 
-    Every call runs the native integer-dot kernel (kernels/csrc/cpu_quant.c),
-    which reads 0.56 bytes per Q4_1 weight, rounding activations to 8 bits
-    per 32-block as llama.cpp does. With ``max_native_rows`` set (builds
-    without AVX-512 VNNI, where fbgemm's fp16 GEMM measured faster for wide
-    batches), batches above it go to an Fp16Linear of the blocks' weight
-    instead, and a sequence's logits can then differ slightly with its
-    batch's size; without it (the AVX-512 path, ``None``) a row's output does
-    not depend on the batch at all (the kernel computes each output the same
-    way whatever the row count).
+    Every call runs the native kernel (kernels/csrc/cpu_quant.c), which reads
+    0.56 bytes per Q4_1 weight: integer dots over 15-bit activation codes per
+    32-block. A row's output does not depend on the batch at all (the kernel
+    computes each output the same way whatever the row count). With
+    ``max_native_rows`` set (builds without AVX-512 VNNI, where fbgemm's fp16
+    GEMM measured faster for wide batches), batches above it go to an
+    Fp16Linear of the blocks' weight instead, and a sequence's logits can then
+    differ slightly with its batch's size.
 
     The float weight handed in is not kept. For a Q4_1 GGUF, whose weights
     were dequantized on load, quantizing again reproduces the file's blocks
@@ -270,24 +269,45 @@ class Int8Linears(LinearStrategy):
         return Int8DynamicLinear(weight, None)
 
 
+@dataclass(frozen=True)
+class RowLimits:
+    """Row-count routing of BlockQuantLinear: ``max_native_rows`` (None: every
+    batch through the native kernel)."""
+
+    max_native_rows: int | None
+
+    @staticmethod
+    def measured(kernels: CpuKernels) -> RowLimits:
+        """What measured fastest for this build (docs/benchmarks/cpu.md): AVX-512
+        VNNI builds run every batch natively; others hand batches above 8 rows to
+        fbgemm's fp16 GEMM."""
+        return RowLimits(None if kernels.has_avx512_vnni else 8)
+
+
 class BlockQuantLinears(LinearStrategy):
     """llama.cpp block formats through the native kernels: every linear in
     ``qtype`` (Q4_1 or Q8_0), the logits projection in Q8_0, as llama.cpp's
     quantizations keep the (tied) embedding at 8 bits: 4-bit logits cost more
-    accuracy than they save. ``max_native_rows``: see BlockQuantLinear."""
+    accuracy than they save. ``limits``: see RowLimits (by default what this
+    build measured fastest)."""
 
-    def __init__(self, kernels: CpuKernels, qtype: int, max_native_rows: int | None) -> None:
+    def __init__(self, kernels: CpuKernels, qtype: int, limits: RowLimits | None = None) -> None:
         from kernels.quant_linear import Q4_1
 
         self.kernels = kernels
         self.qtype = qtype
-        self.max_native_rows = max_native_rows
+        lim = limits if limits is not None else RowLimits.measured(kernels)
+        self.max_native_rows = lim.max_native_rows
         self.name = "q4_1" if qtype == Q4_1 else "q8_0"
         self.block_format = self.name
 
     def linear(self, linear: nn.Linear) -> nn.Module:
         return BlockQuantLinear(
-            linear.weight, linear.bias, self.kernels, self.qtype, self.max_native_rows
+            linear.weight,
+            linear.bias,
+            self.kernels,
+            self.qtype,
+            self.max_native_rows,
         )
 
     def logits(self, weight: torch.Tensor) -> nn.Module | None:
@@ -338,9 +358,7 @@ def make_linear_strategy(
     cpu32 = device.type == "cpu" and dtype == torch.float32
 
     def native(qtype: int) -> BlockQuantLinears:
-        lib = kernels()
-        # Without AVX-512 VNNI fbgemm's fp16 GEMM measured faster above 8 rows.
-        return BlockQuantLinears(lib, qtype, None if lib.has_avx512_vnni else 8)
+        return BlockQuantLinears(kernels(), qtype)
 
     if choice == "auto":
         if not cpu32:
