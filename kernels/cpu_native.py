@@ -70,7 +70,7 @@ class _QWeight(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
         ("qtype", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("layout", ctypes.c_int32),
     ]
 
 
@@ -245,7 +245,7 @@ class CpuKernels:
         silu.restype = None
         self._silu = silu
         ql = self._lib.fuel_quant_linear_f32
-        ql.argtypes = [p, i64, i64, p, p, p, ctypes.c_int, i64, p, p, ctypes.c_int]
+        ql.argtypes = [p, i64, i64, p, p, p, ctypes.c_int, i64, p, p, ctypes.c_int, ctypes.c_int]
         ql.restype = ctypes.c_int
         self._quant_linear = ql
         step = self._lib.fuel_decode_step_f32
@@ -580,7 +580,10 @@ class CpuKernels:
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
             torch.get_num_threads(),
+            weight.layout,
         )
+        if rc == -2:
+            raise ValueError("quant_linear: this build reads no x16 layout (no AVX-512 VNNI)")
         if rc != 0:
             raise MemoryError("quant_linear: scratch allocation failed")
         return out
@@ -597,7 +600,7 @@ class CpuKernels:
             w.out_features,
             w.in_features,
             Q4_1 if w.qtype == Q4_1 else 0,
-            0,
+            w.layout,
         )
 
     def decode_step_plan(
@@ -650,10 +653,12 @@ class CpuKernels:
             checks.append(
                 (
                     all(
-                        w.qtype == qtype and (w.out_features, w.in_features) == (n, k)
+                        w.qtype == qtype
+                        and w.layout == layers[0].qkv.layout
+                        and (w.out_features, w.in_features) == (n, k)
                         for w, n, k in shapes
                     ),
-                    f"layer {i}: one block format and Llama-shaped projections",
+                    f"layer {i}: one block format and layout, Llama-shaped projections",
                 )
             )
             vectors = [lay.attn_norm, lay.ffn_norm]

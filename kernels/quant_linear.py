@@ -36,15 +36,20 @@ import torch
 QK = 32
 Q8_0 = 0
 Q4_1 = 1
+# Layouts of the blocks (csrc/fuel_internal.h): row-major, or 16 rows
+# interleaved per block (pack_x16; read by the AVX-512 VNNI kernels only).
+ROWS = 0
+X16 = 1
 
 
 @dataclass(frozen=True)
 class QuantWeight:
     """A ``[out_features, in_features]`` weight in one of the block formats.
 
-    ``qs``: Q8_0 int8 ``[N, K]``; Q4_1 uint8 ``[N, nb / 2, 32]``. ``d`` (and
-    ``m`` for Q4_1): float16 bit patterns as int16 ``[N, nb]``, where ``nb`` is
-    ``K / 32`` (Q4_1: rounded up to even). All contiguous CPU tensors.
+    Layout ROWS: ``qs``: Q8_0 int8 ``[N, K]``; Q4_1 uint8 ``[N, nb / 2, 32]``.
+    ``d`` (and ``m`` for Q4_1): float16 bit patterns as int16 ``[N, nb]``,
+    where ``nb`` is ``K / 32`` (Q4_1: rounded up to even). Layout X16: see
+    :func:`pack_x16`. All contiguous CPU tensors.
     """
 
     qtype: int
@@ -53,6 +58,7 @@ class QuantWeight:
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
+    layout: int = ROWS
 
     @property
     def nbytes(self) -> int:
@@ -102,9 +108,79 @@ def quantize_q4_1(w: torch.Tensor) -> QuantWeight:
     return QuantWeight(Q4_1, n, w.shape[1], packed, _half_bits(d), _half_bits(lo))
 
 
-def dequantize(qw: QuantWeight) -> torch.Tensor:
-    """The float32 ``[N, K]`` weight the blocks stand for."""
+def _codes(qw: QuantWeight) -> torch.Tensor:
+    """The ``[N, K / 32, 32]`` uint8/int8 codes of a ROWS-layout weight."""
     n, k = qw.out_features, qw.in_features
+    if qw.qtype == Q8_0:
+        return qw.qs.reshape(n, k // QK, QK)
+    q = torch.stack([qw.qs & 0x0F, qw.qs >> 4], dim=2).reshape(n, -1, QK)
+    return q[:, : k // QK]
+
+
+def pack_x16(qw: QuantWeight) -> QuantWeight:
+    """The same blocks with 16 rows interleaved per block (layout X16), as the
+    AVX-512 VNNI kernels read them: rows padded with zeros to a multiple of
+    16; per group of 16 rows and block, ``qs`` holds Q4_1: 4 vectors of 64
+    bytes, byte ``4 i + t`` of vector ``j`` = row ``i``'s code ``4 j + t`` in
+    the low nibble and ``16 + 4 j + t`` in the high one; Q8_0: 8 vectors, byte
+    ``4 i + t`` of vector ``j`` = row ``i``'s code ``4 j + t``. ``d`` (and
+    ``m``): ``[groups, K / 32, 16]`` float16 bits."""
+    if qw.layout == X16:
+        return qw
+    n, k = qw.out_features, qw.in_features
+    nbk, groups = k // QK, (n + 15) // 16
+    pad = groups * 16 - n
+    q = torch.nn.functional.pad(_codes(qw), (0, 0, 0, 0, 0, pad))  # [G*16, nbk, 32]
+    q = q.reshape(groups, 16, nbk, QK).permute(0, 2, 1, 3)  # [G, nbk, 16 rows, 32 codes]
+    if qw.qtype == Q4_1:
+        lo, hi = q[..., :16], q[..., 16:]
+        packed = (lo | (hi << 4)).reshape(groups, nbk, 16, 4, 4).permute(0, 1, 3, 2, 4)
+    else:
+        packed = q.reshape(groups, nbk, 16, 8, 4).permute(0, 1, 3, 2, 4)
+    scales = [
+        torch.nn.functional.pad(t[:, :nbk], (0, 0, 0, pad))
+        .reshape(groups, 16, nbk)
+        .transpose(1, 2)
+        .contiguous()
+        for t in (qw.d, qw.m)
+        if t is not None
+    ]
+    return QuantWeight(
+        qw.qtype,
+        n,
+        k,
+        packed.contiguous().reshape(groups, nbk, -1),
+        scales[0],
+        scales[1] if qw.m is not None else None,
+        X16,
+    )
+
+
+def unpack_x16(qw: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes ``[N, K / 32, 32]``, d, m ``[N, K / 32]`` as float32) of an X16 weight."""
+    n, k = qw.out_features, qw.in_features
+    nbk = k // QK
+    groups = qw.qs.shape[0]
+    if qw.qtype == Q4_1:
+        p = qw.qs.reshape(groups, nbk, 4, 16, 4).permute(0, 1, 3, 2, 4).reshape(groups, nbk, 16, 16)
+        q = torch.cat([p & 0x0F, p >> 4], dim=-1)
+    else:
+        q = qw.qs.reshape(groups, nbk, 8, 16, 4).permute(0, 1, 3, 2, 4).reshape(groups, nbk, 16, 32)
+    codes = q.permute(0, 2, 1, 3).reshape(groups * 16, nbk, QK)[:n]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return _from_half_bits(t.transpose(1, 2).reshape(groups * 16, nbk)[:n])
+
+    return codes, rows(qw.d), None if qw.m is None else rows(qw.m)
+
+
+def dequantize(qw: QuantWeight) -> torch.Tensor:
+    """The float32 ``[N, K]`` weight the blocks stand for (either layout)."""
+    n, k = qw.out_features, qw.in_features
+    if qw.layout == X16:
+        codes, d, m = unpack_x16(qw)
+        w = codes.float() * d[..., None] + (0.0 if m is None else m[..., None])
+        return w.reshape(n, k)
     d = _from_half_bits(qw.d)
     if qw.qtype == Q8_0:
         return (qw.qs.reshape(n, -1, QK).float() * d[..., None]).reshape(n, k)

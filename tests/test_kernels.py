@@ -43,8 +43,11 @@ from kernels.paged_attention import (
 from kernels.quant_linear import (
     Q4_1,
     Q8_0,
+    ROWS,
+    X16,
     QuantWeight,
     dequantize,
+    pack_x16,
     quant_linear_ref,
     quantize_q4_1,
     quantize_q8_0,
@@ -707,20 +710,29 @@ def vnni_cpu_kernels(cpu_kernels: CpuKernels) -> CpuKernels:
     return cpu_kernels
 
 
-_BUILDS = ["vnni_cpu_kernels", "avx2_cpu_kernels", "scalar_cpu_kernels"]
+# (build, layout): the VNNI build reads both layouts; the others row-major blocks.
+_BUILDS = [
+    ("vnni_cpu_kernels", X16),
+    ("vnni_cpu_kernels", ROWS),
+    ("avx2_cpu_kernels", ROWS),
+    ("scalar_cpu_kernels", ROWS),
+]
 
 
 @pytest.mark.parametrize("quantize", [quantize_q8_0, quantize_q4_1])
 @pytest.mark.parametrize("k", [32, 96, 576, 1536])  # 96: an odd block count (Q4_1 pads a block)
-@pytest.mark.parametrize("build", _BUILDS)
+@pytest.mark.parametrize(("build", "layout"), _BUILDS)
 def test_quant_linear_matches_ref(
-    request: pytest.FixtureRequest, quantize: Any, k: int, build: str
+    request: pytest.FixtureRequest, quantize: Any, k: int, build: str, layout: int
 ) -> None:
     kern: CpuKernels = request.getfixturevalue(build)
     g = torch.Generator().manual_seed(k)
     for n in (1, 7, 200):
         w = torch.randn(n, k, generator=g)
         qw = quantize(w)
+        if layout == X16:
+            qw = pack_x16(qw)  # 200 rows: 12 whole groups of 16 and a partial one
+            assert torch.equal(dequantize(qw), dequantize(quantize(w)))
         bias = torch.randn(n, generator=g)
         # rows on both sides of the 4-row tile and of the 64-row block; 300 x 200
         # x 18 blocks crosses the kernel's threading threshold
@@ -758,9 +770,9 @@ def test_activation_codes_are_15_bit() -> None:
 
 
 @pytest.mark.parametrize("quantize", [quantize_q8_0, quantize_q4_1])
-@pytest.mark.parametrize("build", _BUILDS)
+@pytest.mark.parametrize(("build", "layout"), _BUILDS)
 def test_quant_linear_rows_do_not_depend_on_the_batch(
-    request: pytest.FixtureRequest, quantize: Any, build: str
+    request: pytest.FixtureRequest, quantize: Any, build: str, layout: int
 ) -> None:
     """Each output row is bit for bit the same alone as inside any batch: the
     kernel computes every output by one sequence of operations (tiles of any
@@ -768,6 +780,7 @@ def test_quant_linear_rows_do_not_depend_on_the_batch(
     kern: CpuKernels = request.getfixturevalue(build)
     g = torch.Generator().manual_seed(3)
     qw = quantize(torch.randn(203, 96, generator=g))
+    qw = pack_x16(qw) if layout == X16 else qw
     bias = torch.randn(203, generator=g)
     x = torch.randn(75, 96, generator=g)
     whole = kern.quant_linear(x, qw, bias)
@@ -822,7 +835,7 @@ def test_block_quant_linear_routes_by_rows(cpu_kernels: CpuKernels) -> None:
     w, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
     small, large = torch.randn(4, 64, generator=g), torch.randn(5, 64, generator=g)
     # No row limit (the AVX-512 VNNI default): every batch through the native kernel.
-    lin = BlockQuantLinear(w, bias, cpu_kernels, Q4_1)
+    lin = BlockQuantLinear(w, bias, cpu_kernels, Q4_1, layout=ROWS)
     assert isinstance(lin.qweight, QuantWeight) and lin.qweight.qtype == Q4_1
     assert lin.large is None
     assert torch.equal(lin(large), cpu_kernels.quant_linear(large, lin.qweight, lin.bias_f32))
@@ -897,3 +910,19 @@ def test_cpu_split_k_with_short_neighbours(cpu_kernels: CpuKernels) -> None:
         b.q, kc, vc, b.meta.block_tables, b.meta.seq_lens, qsl, 1, 300, b.scale, 2
     )
     _assert_close(got, want, torch.float32)
+
+
+def test_x16_layout_needs_the_vnni_build(
+    vnni_cpu_kernels: CpuKernels, avx2_cpu_kernels: CpuKernels
+) -> None:
+    """x16-interleaved blocks are read by the VNNI build and refused (not
+    misread) by the others; the strategy picks the layout its build reads."""
+    from engine.models.linear import BlockQuantLinears
+
+    qw = pack_x16(quantize_q4_1(torch.randn(16, 64)))
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="x16"):
+        avx2_cpu_kernels.quant_linear(x, qw)
+    assert BlockQuantLinears(vnni_cpu_kernels, Q4_1).layout == X16
+    assert BlockQuantLinears(avx2_cpu_kernels, Q4_1).layout == ROWS
+    assert BlockQuantLinears(avx2_cpu_kernels, Q4_1).max_native_rows == 8

@@ -83,7 +83,7 @@ int64_t fuel_qx_blocks(int qtype, int64_t k) { return qtype == 1 ? (k / QK + 1) 
 
 /* One block: hi and lo codes (32 each), the scale e and e * sum(q). */
 static inline void quantize_block(const float *xb, int8_t *hi, int8_t *lo, float *e_out,
-                                  float *s_out)
+                                  float *s_out, int32_t *q_out)
 {
 #ifdef FUEL_VNNI512
     const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
@@ -104,8 +104,10 @@ static inline void quantize_block(const float *xb, int8_t *hi, int8_t *lo, float
     const __m512i q = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 7),
                                        _mm512_add_epi32(l0, l1));
     const float e = d / 128.0f;
+    const int32_t qsum = _mm512_reduce_add_epi32(q);
     *e_out = e;
-    *s_out = e * (float)_mm512_reduce_add_epi32(q);
+    *s_out = e * (float)qsum;
+    *q_out = qsum;
 #else
     float amax = 0.0f;
     for (int j = 0; j < QK; ++j) amax = fmaxf(amax, fabsf(xb[j]));
@@ -123,6 +125,7 @@ static inline void quantize_block(const float *xb, int8_t *hi, int8_t *lo, float
     const float e = d / 128.0f;
     *e_out = e;
     *s_out = e * (float)sum;
+    *q_out = sum;
 #endif
 }
 
@@ -131,6 +134,7 @@ void fuel_qx_quantize_span(const float *x, int64_t k, int64_t nb, int64_t r, int
 {
     const int64_t kb = k / QK;
     int8_t *row = qx + r * FUEL_QX_ROW(nb);
+    int32_t *qsum = (int32_t *)(row + 2 * nb * QK);
     for (int64_t b = b0; b < b1; ++b) {
         int8_t *hi = row + b * QK, *lo = row + (nb + b) * QK;
         if (b >= kb) {
@@ -138,9 +142,10 @@ void fuel_qx_quantize_span(const float *x, int64_t k, int64_t nb, int64_t r, int
             memset(lo, 0, QK);
             dx[r * nb + b] = 0.0f;
             sx[r * nb + b] = 0.0f;
+            qsum[b] = 0;
             continue;
         }
-        quantize_block(x + r * k + b * QK, hi, lo, dx + r * nb + b, sx + r * nb + b);
+        quantize_block(x + r * k + b * QK, hi, lo, dx + r * nb + b, sx + r * nb + b, qsum + b);
     }
 }
 
@@ -328,10 +333,115 @@ static void tile(const fuel_qweight *w, int64_t n, int nr, const int8_t *qx, con
 }
 #undef TILE_CASE
 
+/* ---- the x16 layout: 16 weight rows interleaved per block ---------------- */
+
+/* Packed by kernels/quant_linear.py (pack_x16): for each group of 16 weight
+ * rows and each block, Q4_1: 4 vectors of 64 bytes, byte 4 i + t of vector j
+ * holding row i's codes k = 4 j + t (low nibble) and 16 + 4 j + t (high);
+ * Q8_0: 8 vectors, byte 4 i + t of vector j row i's k = 4 j + t; then the
+ * group's 16 scales (and minima) per block, fp16. One vpdpbusd multiplies 16
+ * rows by 4 activation codes (broadcast), so the integer sums of a block
+ * stay in 16 lanes, one per row, and its float scaling is paid once per 16
+ * rows x 32 codes (against once per 64 codes in the row-major layout); the
+ * outputs come out as a vector of 16 columns, with no horizontal sums. */
+
+static inline __m512i bcast4(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* Group g (16 weight rows) x MR activation rows from r, columns masked by store. */
+static inline __attribute__((always_inline)) void x16_tile(const fuel_qweight *w, int64_t g,
+                                                           const int8_t *qx, const float *dx,
+                                                           const float *sx, int64_t nb,
+                                                           int64_t r, const int MR, float *y,
+                                                           int64_t ys, int64_t col0,
+                                                           __mmask16 store)
+{
+    const int64_t nbk = w->k / QK, row_bytes = FUEL_QX_ROW(nb);
+    const int q4 = w->qtype == 1;
+    const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nbk; ++b) {
+        __m512i hi[4], lo[4];
+        for (int m = 0; m < MR; ++m) hi[m] = lo[m] = _mm512_setzero_si512();
+        if (q4) {
+            const uint8_t *pk = w->qs + (g * nbk + b) * 4 * 64;
+            for (int j = 0; j < 4; ++j) {
+                const __m512i pv = _mm512_loadu_si512(pk + j * 64);
+                const __m512i w0 = _mm512_and_si512(pv, low);
+                const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(pv, 4), low);
+                for (int m = 0; m < MR; ++m) {
+                    const int8_t *h = qx + (r + m) * row_bytes + b * QK, *l = h + nb * QK;
+                    hi[m] = _mm512_dpbusd_epi32(hi[m], w0, bcast4(h + 4 * j));
+                    hi[m] = _mm512_dpbusd_epi32(hi[m], w1, bcast4(h + 16 + 4 * j));
+                    lo[m] = _mm512_dpbusd_epi32(lo[m], w0, bcast4(l + 4 * j));
+                    lo[m] = _mm512_dpbusd_epi32(lo[m], w1, bcast4(l + 16 + 4 * j));
+                }
+            }
+        } else {
+            const uint8_t *pk = w->qs + (g * nbk + b) * 8 * 64;
+            for (int j = 0; j < 8; ++j) {
+                /* +128: unsigned bytes for vpdpbusd; corrected below by 128 * sum(q). */
+                const __m512i wq = _mm512_xor_si512(_mm512_loadu_si512(pk + j * 64), flip);
+                for (int m = 0; m < MR; ++m) {
+                    const int8_t *h = qx + (r + m) * row_bytes + b * QK, *l = h + nb * QK;
+                    hi[m] = _mm512_dpbusd_epi32(hi[m], wq, bcast4(h + 4 * j));
+                    lo[m] = _mm512_dpbusd_epi32(lo[m], wq, bcast4(l + 4 * j));
+                }
+            }
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->d + (g * nbk + b) * 16)));
+        const __m512 mv = q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->m + (g * nbk + b) * 16)))
+                             : _mm512_setzero_ps();
+        for (int m = 0; m < MR; ++m) {
+            __m512i t = _mm512_add_epi32(_mm512_slli_epi32(hi[m], 7), lo[m]);
+            if (!q4) {
+                const int32_t *qs = (const int32_t *)(qx + (r + m) * row_bytes + 2 * nb * QK);
+                t = _mm512_sub_epi32(t, _mm512_set1_epi32(128 * qs[b]));
+            }
+            const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(dx[(r + m) * nb + b]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[m]);
+            if (q4) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[(r + m) * nb + b]), acc[m]);
+        }
+    }
+    const __m512 bv = w->bias ? _mm512_maskz_loadu_ps(store, w->bias + g * 16) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m)
+        _mm512_mask_storeu_ps(y + (r + m) * ys + g * 16 - col0, store, _mm512_add_ps(acc[m], bv));
+}
+
+static void x16_rows(const fuel_qweight *w, const int8_t *qx, const float *dx, const float *sx,
+                     int64_t nb, int64_t rows, int64_t n0, int64_t n1, float *y, int64_t ys,
+                     int64_t col0)
+{
+    for (int64_t rb = 0; rb < rows; rb += ROW_BLOCK) {
+        const int64_t re = rows - rb < ROW_BLOCK ? rows : rb + ROW_BLOCK;
+        for (int64_t g = n0 / 16; g * 16 < n1; ++g) {
+            const int64_t lo = g * 16 > n0 ? g * 16 : n0, hi = g * 16 + 16 < n1 ? g * 16 + 16 : n1;
+            const __mmask16 store = (__mmask16)(((1u << (hi - lo)) - 1) << (lo - g * 16));
+            for (int64_t r = rb; r < re; r += MT) {
+                switch (re - r < MT ? (int)(re - r) : MT) {
+                case 1: x16_tile(w, g, qx, dx, sx, nb, r, 1, y, ys, col0, store); break;
+                case 2: x16_tile(w, g, qx, dx, sx, nb, r, 2, y, ys, col0, store); break;
+                case 3: x16_tile(w, g, qx, dx, sx, nb, r, 3, y, ys, col0, store); break;
+                default: x16_tile(w, g, qx, dx, sx, nb, r, 4, y, ys, col0, store); break;
+                }
+            }
+        }
+    }
+}
+
 void fuel_qgemm_rows(const fuel_qweight *w, const int8_t *qx, const float *dx, const float *sx,
                      int64_t nb, int64_t rows, int64_t n0, int64_t n1, float *y, int64_t ys,
                      int64_t col0)
 {
+    if (w->layout == FUEL_LAYOUT_X16) {
+        x16_rows(w, qx, dx, sx, nb, rows, n0, n1, y, ys, col0);
+        return;
+    }
     /* A block of activation rows stays in L2 while the weight rows stream
      * past it; each tile's weight rows stay in L1 across the block. */
     for (int64_t rb = 0; rb < rows; rb += ROW_BLOCK) {
@@ -519,6 +629,7 @@ void fuel_qgemm_rows(const fuel_qweight *w, const int8_t *qx, const float *dx, c
                      int64_t col0)
 {
     const int64_t qs_row = w->qtype == 1 ? nb / 2 * QK : w->k;
+    if (w->layout != FUEL_LAYOUT_ROWS) abort(); /* x16 weights exist only on VNNI builds */
     float ds[MT * 64];
     float *scratch = nb <= 64 ? ds : malloc(sizeof(float) * (size_t)(MT * nb));
     if (!scratch) abort(); /* nb > 64 means K > 2048 per row: 32 KiB, cannot fail in practice */
@@ -542,13 +653,17 @@ void fuel_qgemm_rows(const fuel_qweight *w, const int8_t *qx, const float *dx, c
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] when not NULL).
  * qtype 0 (Q8_0): qs [N, K] int8, d [N, K / 32] fp16, m unused (may be NULL).
  * qtype 1 (Q4_1): qs [N, nb / 2, 32], d and m [N, nb] with nb = K / 32 rounded
- * up to even. K must be a multiple of 32. Returns 0, or -1 when scratch
- * memory could not be allocated. */
+ * up to even. K must be a multiple of 32. layout: FUEL_LAYOUT_ROWS, or
+ * FUEL_LAYOUT_X16 (VNNI builds only; see x16_tile). Returns 0, -1 when scratch
+ * memory could not be allocated, -2 for a layout this build cannot read. */
 int fuel_quant_linear_f32(const float *x, int64_t M, int64_t K, const uint8_t *qs,
                           const uint16_t *d, const uint16_t *m, int qtype, int64_t N,
-                          const float *bias, float *y, int num_threads)
+                          const float *bias, float *y, int num_threads, int layout)
 {
-    const fuel_qweight w = {qs, d, m, bias, N, K, qtype, 0};
+#ifndef FUEL_VNNI512
+    if (layout != FUEL_LAYOUT_ROWS) return -2;
+#endif
+    const fuel_qweight w = {qs, d, m, bias, N, K, qtype, layout};
     const int64_t nb = fuel_qx_blocks(qtype, K);
     int8_t *qx = malloc((size_t)(M * FUEL_QX_ROW(nb)));
     float *dx = malloc(sizeof(float) * (size_t)(M * nb));
@@ -564,14 +679,14 @@ int fuel_quant_linear_f32(const float *x, int64_t M, int64_t K, const uint8_t *q
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r) fuel_qx_quantize_rows(x, K, nb, r, r + 1, qx, dx, sx);
-        /* Weight rows split evenly, in multiples of 4 (whole tiles). */
+        /* Weight rows split evenly, in whole tiles (4 rows; 16 in the x16 layout). */
 #ifdef _OPENMP
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
 #else
         const int t = 0, T = 1;
 #endif
-        const int64_t quads = (N + 3) / 4;
-        int64_t n0 = quads * t / T * 4, n1 = quads * (t + 1) / T * 4;
+        const int64_t unit = layout == FUEL_LAYOUT_X16 ? 16 : 4, quads = (N + unit - 1) / unit;
+        int64_t n0 = quads * t / T * unit, n1 = quads * (t + 1) / T * unit;
         n1 = n1 < N ? n1 : N;
         if (n0 < n1) fuel_qgemm_rows(&w, qx, dx, sx, nb, M, n0, n1, y, N, 0);
     }

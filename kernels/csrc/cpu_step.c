@@ -83,6 +83,8 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
     const int64_t I = md->inter, bs = md->block_size, g = hq / hkv;
     const int64_t nqkv = (hq + 2 * hkv) * d, natt = hq * d, tok = hkv * d;
     const int qt = md->layers[0].qkv.qtype;
+    /* Weight rows per thread in whole tiles of the layout. */
+    const int64_t unit = md->layers[0].qkv.layout == FUEL_LAYOUT_X16 ? 16 : 4;
     const int64_t nbH = fuel_qx_blocks(qt, H), nbA = fuel_qx_blocks(qt, natt);
     const int64_t nbI = fuel_qx_blocks(qt, I), nbmax = nbH > nbA ? (nbH > nbI ? nbH : nbI)
                                                                  : (nbA > nbI ? nbA : nbI);
@@ -133,7 +135,7 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
                 fuel_qx_quantize_rows(xn, H, nbH, r, r + 1, qa, da, sa);
             }
             /* B: qkv = xn @ Wqkv^T */
-            share(nqkv, 4, t, T, &lo, &hi);
+            share(nqkv, unit, t, T, &lo, &hi);
             if (lo < hi) fuel_qgemm_rows(&L->qkv, qa, da, sa, nbH, M, lo, hi, qkv, nqkv, 0);
 #pragma omp barrier
             /* C1: RoPE (q and k heads, in place), then store k and v. */
@@ -197,7 +199,7 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
                 }
             }
             /* D: delta = att @ Wo^T */
-            share(H, 4, t, T, &lo, &hi);
+            share(H, unit, t, T, &lo, &hi);
             if (lo < hi) fuel_qgemm_rows(&L->o, qa, da, sa, nbA, M, lo, hi, delta, H, 0);
 #pragma omp barrier
             /* E: h = delta + x, xn = norm(h), blocks. */
@@ -225,7 +227,7 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
             }
 #pragma omp barrier
             /* G: delta = act @ Wdown^T */
-            share(H, 4, t, T, &lo, &hi);
+            share(H, unit, t, T, &lo, &hi);
             if (lo < hi) fuel_qgemm_rows(&L->down, qa, da, sa, nbI, M, lo, hi, delta, H, 0);
 #pragma omp barrier
         }

@@ -31,12 +31,18 @@ typedef struct {
     int64_t n;
     int64_t k;
     int32_t qtype;
-    int32_t reserved;
+    int32_t layout; /* FUEL_LAYOUT_ROWS or FUEL_LAYOUT_X16 */
 } fuel_qweight;
 
+/* Weight layouts: row-major blocks (above), or 16 rows interleaved per block
+ * (cpu_quant.c, x16_tile; AVX-512 VNNI builds only). */
+#define FUEL_LAYOUT_ROWS 0
+#define FUEL_LAYOUT_X16 1
+
 /* Bytes per quantized activation row of nb blocks: the hi plane (nb * 32
- * int8), then the lo plane (nb * 32 int8); see cpu_quant.c. */
-#define FUEL_QX_ROW(nb) ((nb) * 2 * FUEL_QK)
+ * int8), the lo plane (nb * 32 int8), then each block's code sum (nb int32);
+ * see cpu_quant.c. */
+#define FUEL_QX_ROW(nb) ((nb) * (2 * FUEL_QK + 4))
 
 /* Blocks per activation row for a weight of this type and width. */
 FUEL_HIDDEN int64_t fuel_qx_blocks(int qtype, int64_t k);
