@@ -3,7 +3,9 @@
 For each row count (tokens in a step), every linear of a stride of layers runs
 through each implementation in turn, alternating within one process so
 machine drift hits all of them alike: ``native`` (Q4_1 blocks through
-kernels/csrc/cpu_quant.c, what ``--cpu-linear q4_1`` uses up to 8 rows),
+kernels/csrc/cpu_quant.c as ``--cpu-linear q4_1`` runs them: x16-interleaved
+on AVX-512 VNNI builds; there also ``native_rows``, the row-major blocks, and
+``native_avx2``, the AVX2 build),
 ``int8`` (fbgemm dynamic int8, ``--cpu-linear int8``), ``fp16`` (fbgemm fp16
 weights, q4_1's path above 8 rows) and ``onednn`` (prepacked fp32,
 ``--cpu-linear auto``). Weights of 10 layers (~35M parameters) are cycled, so
@@ -26,7 +28,7 @@ import torch
 from engine.models.linear import Fp16Linear, Int8DynamicLinear, PackedLinear
 from engine.models.loader import iter_weights, resolve_model_path
 from kernels.cpu_native import CpuKernels
-from kernels.quant_linear import QuantWeight, quantize_q4_1
+from kernels.quant_linear import QuantWeight, pack_x16, quantize_q4_1
 from loadtest.report import bench_record, write_json
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -49,18 +51,20 @@ def main(argv: list[str] | None = None) -> int:
         if len(parts) > 3 and parts[-2] in _LINEARS and int(parts[2]) % args.layer_stride == 0:
             weights.append(w)
     q4: list[QuantWeight] = [quantize_q4_1(w) for w in weights]
+    x16 = [pack_x16(q) for q in q4] if kernels.has_avx512_vnni else q4
     int8 = [Int8DynamicLinear(w, None) for w in weights]
     fp16 = [Fp16Linear(w, None) for w in weights]
     onednn = [PackedLinear(w, None, min_rows=1) for w in weights]
     results = []
     print(f"threads={torch.get_num_threads()} linears={len(weights)}")
     impls: dict[str, Callable[[int, torch.Tensor], torch.Tensor]] = {
-        "native": lambda i, x: kernels.quant_linear(x, q4[i]),
+        "native": lambda i, x: kernels.quant_linear(x, x16[i]),
         "int8": lambda i, x: int8[i](x),
         "fp16": lambda i, x: fp16[i](x),
         "onednn": lambda i, x: onednn[i](x),
     }
     if avx2 is not None:
+        impls["native_rows"] = lambda i, x: kernels.quant_linear(x, q4[i])
         impls["native_avx2"] = lambda i, x: avx2.quant_linear(x, q4[i])
     others = [k for k in impls if k != "native"]
     print(

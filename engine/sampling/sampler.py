@@ -116,7 +116,10 @@ class Sampler:
         temps = [r.params.temperature for r in reqs]
         greedy = [t == 0.0 for t in temps]
         tokens = torch.empty(n, dtype=torch.long, device=device)
-        if any(greedy):
+        if all(greedy):
+            # The common serving case (temperature 0): one argmax, no gathers.
+            tokens = logits.argmax(dim=-1)
+        elif any(greedy):
             g_idx = torch.tensor([i for i, g in enumerate(greedy) if g], device=device)
             tokens[g_idx] = logits[g_idx].argmax(dim=-1)
         if not all(greedy):
