@@ -179,9 +179,11 @@ class TorchAttentionBackend(AttentionBackend):
         ctx = seq_len - qlen
         qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]
         if ctx == 0:
-            # Whole sequence is new: attend over the fresh k/v, no gather.
-            kt = k.transpose(0, 1).unsqueeze(0).to(q.dtype)
-            vt = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
+            # Whole sequence is new: attend over the fresh k/v, no gather, rounded
+            # to the cache's element type as every later read of them is (a float16
+            # cache): a prompt's answer must not depend on how it was chunked.
+            kt = k.to(k_cache.dtype).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            vt = v.to(v_cache.dtype).transpose(0, 1).unsqueeze(0).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
             )
