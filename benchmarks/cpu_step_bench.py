@@ -7,6 +7,7 @@ step, best of ``--rounds``. Usage::
 
     python -m benchmarks.cpu_step_bench --batches 1,16,32 --steps 8
     python -m benchmarks.cpu_step_bench --configs int8,q4_1,q4_1:float16 --batches 1 --prompt-len 1100
+    python -m benchmarks.cpu_step_bench --configs auto,auto::per_layer,onednn:float32 --batches 1,16
 """
 
 from __future__ import annotations
@@ -56,21 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--configs",
         default="torch,onednn",
-        help="engines to compare: CPU_LINEAR[:KV_CACHE_DTYPE],... (first is the baseline)",
+        help="engines to compare: CPU_LINEAR[:KV_CACHE_DTYPE[:CPU_DECODE_STEP]],... "
+        "(first is the baseline; empty parts: the defaults)",
     )
     ap.add_argument("--kv-cache-memory", type=int, default=512 << 20)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     engines: dict[str, LLMEngine] = {}
     for spec in args.configs.split(","):
-        linear, _, kv = spec.partition(":")
+        linear, kv, step = ([*spec.split(":"), "", ""])[:3]
         engines[spec] = LLMEngine(
             EngineConfig(
                 kv_cache_memory=args.kv_cache_memory,
                 max_num_seqs=64,
                 enable_prefix_caching=False,
-                cpu_linear=linear,
-                kv_cache_dtype=kv or "auto",
+                cpu_linear=linear,  # type: ignore[arg-type]
+                kv_cache_dtype=kv or "auto",  # type: ignore[arg-type]
+                cpu_decode_step=step or "auto",  # type: ignore[arg-type]
             )
         )
     costs: dict[tuple[int, str], list[tuple[float, float]]] = {

@@ -210,6 +210,79 @@ def _build(cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     return lib
 
 
+def _decode_plan_checks(
+    layers: list[DecodeLayer],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos_sin: torch.Tensor,
+    final_norm: torch.Tensor,
+) -> list[tuple[bool, str]]:
+    """(holds, what it needs) for every layout fact ``fuel_decode_step_f32`` reads."""
+    hidden = int(final_norm.shape[0])
+    qtype, layout = layers[0].qkv.qtype, layers[0].qkv.layout
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    inter = layers[0].down.in_features
+    kc0 = layers[0].k_cache
+    checks: list[tuple[bool, str]] = [
+        (num_kv_heads > 0 and num_heads % num_kv_heads == 0, "q heads a multiple of kv heads"),
+        (head_dim % 2 == 0, "an even head_dim"),
+        (
+            cos_sin.dtype == torch.float32
+            and cos_sin.is_contiguous()
+            and cos_sin.dim() == 2
+            and cos_sin.shape[1] == head_dim,
+            "a contiguous float32 [max_pos, head_dim] cos|sin table",
+        ),
+        (kc0.dtype in _CACHE_DTYPES and kc0.dim() == 4, "float32/float16 [nb, bs, hkv, d] caches"),
+    ]
+    for i, lay in enumerate(layers):
+        shapes = [
+            (lay.qkv, q_size + 2 * kv_size, hidden),
+            (lay.o, hidden, q_size),
+            (lay.gate_up, 2 * inter, hidden),
+            (lay.down, hidden, inter),
+        ]
+        checks.append(
+            (
+                all(
+                    w.qtype == qtype
+                    and w.layout == layout
+                    and (w.out_features, w.in_features) == (n, k)
+                    for w, n, k in shapes
+                ),
+                f"layer {i}: one block format and layout, Llama-shaped projections",
+            )
+        )
+        vectors = [lay.attn_norm, lay.ffn_norm, final_norm]
+        for b, n in ((lay.qkv_bias, q_size + 2 * kv_size), (lay.o_bias, hidden)):
+            if b is not None:
+                vectors.append(b)
+                checks.append((tuple(b.shape) == (n,), f"layer {i}: bias shapes"))
+        checks.append(
+            (
+                all(
+                    v.dtype == torch.float32 and v.is_contiguous() and v.device.type == "cpu"
+                    for v in vectors
+                )
+                and all(tuple(v.shape) == (hidden,) for v in (lay.attn_norm, lay.ffn_norm)),
+                f"layer {i}: contiguous float32 norm weights and biases",
+            )
+        )
+        checks.append(
+            (
+                lay.k_cache.shape == kc0.shape
+                and lay.v_cache.shape == kc0.shape
+                and lay.k_cache.dtype == lay.v_cache.dtype == kc0.dtype
+                and lay.k_cache.is_contiguous()
+                and lay.v_cache.is_contiguous()
+                and tuple(kc0.shape[2:]) == (num_kv_heads, head_dim),
+                f"layer {i}: contiguous caches like layer 0's",
+            )
+        )
+    return checks
+
+
 class CpuKernels:
     """Handle on the loaded native library. Thread-safe: the kernels keep no state."""
 
@@ -623,74 +696,14 @@ class CpuKernels:
         if not layers:
             raise ValueError("decode_step_plan needs at least one layer")
         hidden = int(final_norm.shape[0])
-        qtype = layers[0].qkv.qtype
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         inter = layers[0].down.in_features
         kc0 = layers[0].k_cache
-        checks: list[tuple[bool, str]] = [
-            (num_kv_heads > 0 and num_heads % num_kv_heads == 0, "q heads a multiple of kv heads"),
-            (head_dim % 2 == 0, "an even head_dim"),
-            (
-                cos_sin.dtype == torch.float32
-                and cos_sin.is_contiguous()
-                and cos_sin.dim() == 2
-                and cos_sin.shape[1] == head_dim,
-                "a contiguous float32 [max_pos, head_dim] cos|sin table",
-            ),
-            (
-                kc0.dtype in _CACHE_DTYPES and kc0.dim() == 4,
-                "float32/float16 [nb, bs, hkv, d] caches",
-            ),
-        ]
-        keep: list[object] = [cos_sin, final_norm]
-        for i, lay in enumerate(layers):
-            shapes = [
-                (lay.qkv, q_size + 2 * kv_size, hidden),
-                (lay.o, hidden, q_size),
-                (lay.gate_up, 2 * inter, hidden),
-                (lay.down, hidden, inter),
-            ]
-            checks.append(
-                (
-                    all(
-                        w.qtype == qtype
-                        and w.layout == layers[0].qkv.layout
-                        and (w.out_features, w.in_features) == (n, k)
-                        for w, n, k in shapes
-                    ),
-                    f"layer {i}: one block format and layout, Llama-shaped projections",
-                )
-            )
-            vectors = [lay.attn_norm, lay.ffn_norm]
-            for b, n in ((lay.qkv_bias, q_size + 2 * kv_size), (lay.o_bias, hidden)):
-                if b is not None:
-                    vectors.append(b)
-                    checks.append((tuple(b.shape) == (n,), f"layer {i}: bias shapes"))
-            checks.append(
-                (
-                    all(
-                        v.dtype == torch.float32 and v.is_contiguous() and v.device.type == "cpu"
-                        for v in [*vectors, final_norm]
-                    )
-                    and all(tuple(v.shape) == (hidden,) for v in (lay.attn_norm, lay.ffn_norm)),
-                    f"layer {i}: contiguous float32 norm weights and biases",
-                )
-            )
-            checks.append(
-                (
-                    lay.k_cache.shape == kc0.shape
-                    and lay.v_cache.shape == kc0.shape
-                    and lay.k_cache.dtype == lay.v_cache.dtype == kc0.dtype
-                    and lay.k_cache.is_contiguous()
-                    and lay.v_cache.is_contiguous()
-                    and tuple(kc0.shape[2:]) == (num_kv_heads, head_dim),
-                    f"layer {i}: contiguous caches like layer 0's",
-                )
-            )
-            keep.append(lay)
-        for ok, what in checks:
+        for ok, what in _decode_plan_checks(
+            layers, num_heads, num_kv_heads, head_dim, cos_sin, final_norm
+        ):
             if not ok:
                 raise ValueError(f"decode_step_plan needs {what}")
+        keep: list[object] = [cos_sin, final_norm, *layers]
         arr = (_Layer * len(layers))()
         for i, lay in enumerate(layers):
             arr[i] = _Layer(

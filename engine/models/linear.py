@@ -126,11 +126,10 @@ class BlockQuantLinear(nn.Module):
     per block, which measured 2x faster than row-major blocks from one row to
     512 (docs/benchmarks/cpu.md). A row's output does not depend on the batch
     at all (the kernel computes each output the same way whatever the row
-    count). With
-    ``max_native_rows`` set (builds without AVX-512 VNNI, where fbgemm's fp16
-    GEMM measured faster for wide batches), batches above it go to an
-    Fp16Linear of the blocks' weight instead, and a sequence's logits can then
-    differ slightly with its batch's size.
+    count). With ``max_native_rows`` set (builds without AVX-512 VNNI, where
+    fbgemm's fp16 GEMM measured faster for wide batches), batches above it go
+    to an Fp16Linear of the blocks' weight instead, and a sequence's logits
+    can then differ slightly with its batch's size.
 
     The float weight handed in is not kept. For a Q4_1 GGUF, whose weights
     were dequantized on load, quantizing again reproduces the file's blocks
@@ -203,12 +202,10 @@ class LinearStrategy(ABC):
     before the first forward.
 
     ``exact``: outputs equal the float32 model's up to float32 rounding (no
-    quantization). ``block_format``: the block format the native decode step
-    (engine/models/native_step.py) can read, or None."""
+    quantization)."""
 
     name: str = "abstract"
     exact: bool = False
-    block_format: str | None = None
 
     def apply(self, model: LinearHost) -> int:
         """Convert ``model`` in place; returns how many linears (logits included) it converted."""
@@ -317,7 +314,6 @@ class BlockQuantLinears(LinearStrategy):
         self.max_native_rows = lim.max_native_rows
         self.layout = lim.layout
         self.name = "q4_1" if qtype == Q4_1 else "q8_0"
-        self.block_format = self.name
 
     def linear(self, linear: nn.Linear) -> nn.Module:
         return BlockQuantLinear(

@@ -75,6 +75,11 @@ static inline void share(int64_t units, int64_t align, int t, int T, int64_t *lo
     if (*lo > units) *lo = units;
 }
 
+/* One function of ~180 lines, against the house's ~80: the phases must share
+ * one OpenMP region (that is the point: one fork/join per step, barriers
+ * between phases) and its thread-private scratch, so they cannot become
+ * separate functions with their own regions; each phase is a few calls to
+ * the shared row functions. */
 int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_t *positions,
                          const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
                          const int32_t *seq_lens, float *out, int num_threads)
