@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
@@ -52,13 +53,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=kv_dtype, device=device),
-                torch.zeros(shape, dtype=kv_dtype, device=device),
-            )
-            for _ in range(num_layers)
-        ]
+        self.kv_caches = _kv_caches(num_layers, shape, kv_dtype, device)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
         # The fused native decode step (CPU), set by the engine where the model qualifies.
@@ -206,6 +201,32 @@ class ModelRunner:
             )
             for j in range(n)
         ]
+
+
+_NUMPY_KV_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+
+
+def _kv_caches(
+    num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed ``(k, v)`` caches of ``shape`` per layer.
+
+    On the CPU all layers share one calloc'd buffer (numpy's zeros): the kernel
+    hands back untouched zero pages, resident only once a block is written, so
+    the server's RSS follows the cache in use; ``torch.zeros`` writes every page
+    at start-up (1 GiB resident for the default ``--kv-cache-memory``). Each
+    layer's k and v are contiguous views of it.
+    """
+    if device.type == "cpu" and dtype in _NUMPY_KV_DTYPES:
+        whole = torch.from_numpy(np.zeros((num_layers, 2, *shape), dtype=_NUMPY_KV_DTYPES[dtype]))
+        return [(whole[i, 0], whole[i, 1]) for i in range(num_layers)]
+    return [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(num_layers)
+    ]
 
 
 def attention_backend_of(model: Any) -> AttentionBackend | None:
