@@ -48,6 +48,17 @@ def decode_cost(eng: LLMEngine, batch: int, steps: int, prompt_len: int) -> tupl
     return wall, cpu
 
 
+def prefill_tok_s(eng: LLMEngine, n: int, seed: int) -> float:
+    """Prompt tokens per second of one cold ``n``-token prompt (all its prefill steps)."""
+    rng = range(seed * 7919, seed * 7919 + n)
+    prompt = [100 + (i * 31 + seed) % 40000 for i in rng]  # a new prompt: no prefix hit
+    eng.add_request(f"prefill-{seed}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1))
+    t0 = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    return n / (time.perf_counter() - t0)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,16,32")
@@ -61,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         "(first is the baseline; empty parts: the defaults)",
     )
     ap.add_argument("--kv-cache-memory", type=int, default=512 << 20)
+    ap.add_argument(
+        "--prefill-len", type=int, default=0, help="also time a cold prompt of this many tokens"
+    )
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     engines: dict[str, LLMEngine] = {}
@@ -70,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             EngineConfig(
                 kv_cache_memory=args.kv_cache_memory,
                 max_num_seqs=64,
+                max_num_batched_tokens=2048,
                 enable_prefix_caching=False,
                 cpu_linear=linear,  # type: ignore[arg-type]
                 kv_cache_dtype=kv or "auto",  # type: ignore[arg-type]
@@ -83,8 +98,17 @@ def main(argv: list[str] | None = None) -> int:
         for b in batches:
             for spec, eng in engines.items():  # alternating: drift hits every config
                 costs[(b, spec)].append(decode_cost(eng, b, args.steps, args.prompt_len))
+    prefill: dict[str, list[float]] = {c: [] for c in engines}
+    if args.prefill_len:
+        for r in range(args.rounds):
+            for spec, eng in engines.items():
+                prefill[spec].append(prefill_tok_s(eng, args.prefill_len, r))
     names = list(engines)
     print(f"threads={torch.get_num_threads()} prompt_len={args.prompt_len}")
+    if args.prefill_len:
+        print(f"cold {args.prefill_len}-token prompt, prefill tok/s (best of {args.rounds}):")
+        print("| " + " | ".join(names) + " |\n|" + "---|" * len(names))
+        print("| " + " | ".join(f"{max(prefill[n]):.0f}" for n in names) + " |")
     print("| batch | " + " | ".join(f"{n} wall ms | {n} cpu ms" for n in names) + " |")
     print("|---|" + "---|---|" * len(names))
     rows = []
