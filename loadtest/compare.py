@@ -11,7 +11,8 @@ side alike. The ``prefill`` cell sends cold ~``--prefill-len``-token prompts
 While each run lasts, the servers' resident set sizes are sampled. The
 report (loadtest/compare_report.py) gives each side's pooled figures with
 the per-repeat range, ours / best-peer ratios, and issue 23's targets met or
-not; it goes to ``docs/benchmarks/cpu.md`` by default.
+not; it goes to ``docs/benchmarks/cpu-compare.md`` by default (docs/benchmarks/cpu.md
+links it and says what it means).
 
 The peer is, in order of preference: ``--peer-bin`` or a ``llama-server`` on
 PATH (continuous batching over ``--parallel`` slots), else
@@ -49,7 +50,7 @@ from loadtest.rss import RssSampler
 from loadtest.workloads import WORKLOADS, WorkloadOptions, default_gguf
 
 DEFAULT_GRID = "questions:1,16,32;shared-prefix:1,16;prefill:1"
-DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "cpu.md"
+DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "cpu-compare.md"
 DEFAULT_PEER_VENV = Path("/work/peer-venv")
 # Where loadtest/build_peer.sh puts the F16 conversion of the default GGUF.
 DEFAULT_F16 = Path("/work/peer/SmolLM2-135M-Instruct.F16.gguf")
