@@ -485,3 +485,23 @@ def test_decode_graphs_need_a_graph_safe_backend(tiny_dirs: dict[str, Path]) -> 
     assert batch_size_ladder(64) == [1, 2, 4, 8, 16, 32, 64]
     assert batch_size_ladder(48) == [1, 2, 4, 8, 16, 32, 48]
     assert batch_size_ladder(1) == [1]
+
+
+def test_fused_decode_step_refuses_what_it_cannot_read(tiny_dirs: dict[str, Path]) -> None:
+    """The native step checks layouts and bounds before any raw pointer is read."""
+    eng = tiny_engine(tiny_dirs["llama"], cpu_linear="q4_1")
+    step = eng.runner.native_step
+    assert step is not None
+    h = eng.model_config.hidden_size
+    x = torch.zeros(1, h)
+    pos, slots = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    bt, sl = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    run = step.kernels.decode_step
+    ok = {"max_position": 0, "max_slot": 0, "max_seq_len": 1}
+    assert run(step.plan, x.clone(), pos, slots, bt, sl, **ok).shape == (1, h)
+    with pytest.raises(ValueError, match="out of range"):
+        run(step.plan, x.clone(), pos, slots, bt, sl, **{**ok, "max_position": 10**6})
+    with pytest.raises(ValueError, match="out of range"):
+        run(step.plan, x.clone(), pos, slots, bt, sl, **{**ok, "max_slot": eng.kv.num_blocks * 4})
+    with pytest.raises(ValueError, match="layout"):
+        run(step.plan, x.double(), pos, slots, bt, sl, **ok)
