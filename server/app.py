@@ -49,6 +49,7 @@ from server.protocol import (
     error_body,
     error_type_for_status,
 )
+from server.router_endpoints import install_router_endpoints
 from server.traces import TraceNotFound, fetch_trace
 
 logger = logging.getLogger("fuel_serve.server")
@@ -727,6 +728,7 @@ def build_app(
     )
     _install_error_handlers(app, state)
     _install_routes(app, state)
+    install_router_endpoints(app, state)
     return app
 
 
@@ -840,6 +842,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
         add_generation_prompt: bool,
         kwargs: dict[str, Any] | None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         def run() -> list[int]:
             return list(
@@ -848,6 +851,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
                     add_generation_prompt=add_generation_prompt,
                     tools=tools,
                     template_kwargs=kwargs,
+                    continue_final_message=continue_final_message,
                 )
             )
 
@@ -974,7 +978,12 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
         messages = [m.to_template_dict() for m in body.messages]
         offered = plan.tools if plan is not None and plan.tools else None
         prompt_ids = await render_chat(
-            engine, messages, body.add_generation_prompt, kwargs, tools=offered
+            engine,
+            messages,
+            body.add_generation_prompt,
+            kwargs,
+            tools=offered,
+            continue_final_message=body.continue_final_message,
         )
         vocab = int(engine.tokenizer.vocab_size)
         budget = _output_budget(
@@ -1544,6 +1553,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
                 [m.to_template_dict() for m in body.messages],
                 body.add_generation_prompt,
                 template_kwargs(body.chat_template_kwargs),
+                continue_final_message=body.continue_final_message,
             )
         else:
             assert body.prompt is not None

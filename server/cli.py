@@ -4,6 +4,8 @@ Precedence: CLI flag > ``--config FILE.yaml`` > ``configs/default.yaml`` > datac
 defaults. Every ``EngineConfig`` and ``ServerConfig`` field is reachable.
 SIGTERM drains: ``/health`` turns 503, new requests get 503 + Retry-After,
 in-flight requests finish (up to ``--shutdown-timeout`` s), then exit 0.
+``--data-parallel-size N`` (N > 1) runs N replicas behind vllm-router instead
+(server/data_parallel.py).
 """
 
 from __future__ import annotations
@@ -189,11 +191,16 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings = resolve_settings(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    settings = resolve_settings(args)
     engine_cfg, server_cfg = build_configs(settings)
     from server.logging_setup import configure_logging
 
     configure_logging(server_cfg.log_json, server_cfg.uvicorn_log_level, engine_cfg.log_prompts)
+    if server_cfg.data_parallel_size > 1:
+        from server.data_parallel import run_data_parallel
+
+        return run_data_parallel(args, server_cfg, engine_cfg.num_threads)
     from engine.async_engine import AsyncEngine  # heavy import: after argument errors
     from server.app import build_app
 

@@ -16,6 +16,9 @@ from engine.settings import parse_bytes, setting, validate_fields
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+# vllm-router's --policy choices for plain (not prefill/decode) routing; kv_aware
+# needs KV events, which Fuel Serve does not publish yet.
+RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "consistent_hash", "random"]
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerConfig", "parse_bytes"]
 
@@ -55,6 +58,27 @@ class ServerConfig:
     log_json: bool = setting(False, "Log one JSON object per line.")
     retry_after_draining_s: float = setting(
         5.0, "Retry-After sent with 503s while draining.", minimum=0.0
+    )
+    # Data parallelism on one host (server/data_parallel.py): N replicas behind vllm-router.
+    data_parallel_size: int = setting(
+        1,
+        "Replicas of this server to run on this host behind vllm-router, which takes "
+        "--host:--port (1: serve directly, no router).",
+        minimum=1,
+        maximum=64,
+    )
+    data_parallel_ports: list[int] = setting(
+        help="Replica ports with --data-parallel-size N (default: --port+1 ... --port+N).",
+        default_factory=list,
+    )
+    router_policy: RouterPolicy = setting(
+        "cache_aware", "vllm-router's routing policy in front of the replicas."
+    )
+    router_executable: str = setting(
+        "vllm-router", "The router program (PyPI vllm-router==0.1.17) started in front."
+    )
+    router_metrics_port: int = setting(
+        29000, "Port of the router's own Prometheus metrics (on --host).", minimum=1, maximum=65535
     )
 
     def __post_init__(self) -> None:

@@ -4,6 +4,13 @@ Contract: every request model forbids unknown fields (``extra="forbid"``) and
 non-finite floats, so a field Fuel Serve cannot honour (image parts, ``audio``,
 ``modalities``, legacy ``functions``...) is a 400 that names it, never silently
 dropped. Limits that are Fuel Serve's choice (not OpenAI's) are constants here.
+
+Routers (vllm-router, sglang-router) re-serialise every body with SGLang-style
+extension fields set to their *neutral* values (``no_stop_trim: false``,
+``return_hidden_states: false``, ``separate_reasoning: true``, ...). The rule
+for such a known extension: its neutral value is accepted; any other value is
+honoured (``no_stop_trim``, ``continue_final_message``) or refused with a 400
+that names it (``return_hidden_states``, ``include_reasoning: false``).
 """
 
 from __future__ import annotations
@@ -170,6 +177,27 @@ class SamplingFields(OpenAIModel):
     latency_budget_ms: float | None = Field(default=None, gt=0.0)
     ttft_budget_ms: float | None = Field(default=None, gt=0.0)
     response_format: ResponseFormat | None = None
+    # SGLang extensions routers send at their neutral values (module docstring).
+    # no_stop_trim is SGLang's name for include_stop_str_in_output (folded into it below).
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+
+    @field_validator("return_hidden_states")
+    @classmethod
+    def _no_hidden_states(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "true is not supported: Fuel Serve does not return hidden states "
+                "(only false, the default, is accepted)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _fold_no_stop_trim(self) -> SamplingFields:
+        # Either name asks for the same thing: keep the matched stop string in the text.
+        if self.no_stop_trim:
+            self.include_stop_str_in_output = True
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -227,6 +255,28 @@ DEFAULT_SAFE_TEMPLATE_KWARGS: frozenset[str] = frozenset(
 )
 
 
+def check_continue_final_message(
+    continue_final_message: bool, add_generation_prompt: bool, messages: list[ChatMessage]
+) -> None:
+    """vLLM's rules: the final message is continued (the template's end-of-turn after
+    it is cut, no new generation prompt), so it must be the assistant's and
+    ``add_generation_prompt`` must be false. Raises ValueError naming the field."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise ValueError(
+            "Cannot set both continue_final_message and add_generation_prompt to true: "
+            "send add_generation_prompt: false to continue the final message"
+        )
+    if messages[-1].role != "assistant":
+        raise ValueError(
+            "continue_final_message needs the last message to be the assistant's "
+            f"(it is {messages[-1].role!r})"
+        )
+    if not messages[-1].text().strip():
+        raise ValueError("continue_final_message needs a final assistant message with content")
+
+
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions`` body."""
 
@@ -240,12 +290,39 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM extensions.
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     echo: bool = False
+    # Reasoning extensions (SGLang's separate_reasoning / stream_reasoning, vLLM's
+    # include_reasoning) that routers send at their neutral values. No reasoning
+    # parser runs here, so reasoning text is never split out of ``content``:
+    # separate_reasoning and stream_reasoning (how a split-out reasoning_content
+    # is sent) change nothing, either value is what we do; include_reasoning: false
+    # (drop the reasoning) cannot be honoured and is refused.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
+
+    @field_validator("include_reasoning")
+    @classmethod
+    def _keep_reasoning(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError(
+                "false is not supported: no reasoning parser runs, so reasoning text "
+                "cannot be told apart from the answer and dropped"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_continue_final_message(self) -> ChatCompletionRequest:
+        check_continue_final_message(
+            self.continue_final_message, self.add_generation_prompt, self.messages
+        )
         return self
 
     def output_budget(self) -> int | None:
@@ -297,6 +374,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -306,6 +384,12 @@ class TokenizeRequest(OpenAIModel):
             raise ValueError("give exactly one of prompt or messages")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        if self.messages is None and self.continue_final_message:
+            raise ValueError("continue_final_message applies to messages, not to a prompt")
+        if self.messages is not None:
+            check_continue_final_message(
+                self.continue_final_message, self.add_generation_prompt, self.messages
+            )
         return self
 
 

@@ -52,8 +52,11 @@ class FakeTokenizer:
         tools: Any = None,
         chat_template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         text = "".join(f"{m['role']}:{m['content']}\n" for m in messages)
+        if continue_final_message:
+            text = text[: -len("\n")]  # the final message stays open
         if add_generation_prompt:
             text += "assistant:"
         return self.encode(text)

@@ -474,6 +474,7 @@ class Tokenizer:
         chat_template: str | None,
         template_kwargs: dict[str, Any] | None,
         escaper: _Escaper,
+        continue_final_message: bool = False,
     ) -> str:
         source = chat_template if chat_template is not None else self._chat_template
         if source is None:
@@ -511,11 +512,15 @@ class Tokenizer:
         if esc_tools is not None:
             variables["tools"] = esc_tools
         try:
-            return template.render(**variables)
+            text = template.render(**variables)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template error: {exc}") from exc
         except (TypeError, KeyError, IndexError, AttributeError, ValueError) as exc:
             raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        if continue_final_message:
+            # msgs[-1]["content"] is escaped like the rendered text, so it is found as is.
+            text = _cut_after_final_message(text, msgs[-1].get("content"))
+        return text
 
     def _new_escaper(self, messages: Any, tools: Any) -> _Escaper:
         blob = repr(messages) + repr(tools)
@@ -533,6 +538,7 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The rendered prompt text (for debugging and ``echo``); see apply_chat_template."""
         escaper = self._new_escaper(messages, tools)
@@ -543,6 +549,7 @@ class Tokenizer:
             chat_template=chat_template,
             template_kwargs=template_kwargs,
             escaper=escaper,
+            continue_final_message=continue_final_message,
         )
         return escaper.unescape(text)
 
@@ -554,6 +561,7 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Render ``messages`` with the chat template and tokenize the result.
 
@@ -564,7 +572,11 @@ class Tokenizer:
         :data:`SAFE_TEMPLATE_KWARGS`. When ``tools`` are given and the template
         does not reference ``tools``, :data:`DEFAULT_TOOL_SYSTEM_PROMPT` is put
         in the system message, and assistant ``tool_calls`` / ``tool`` messages
-        are rendered Hermes-style. Raises ``ValueError`` on any template error.
+        are rendered Hermes-style. ``continue_final_message`` (vLLM's and
+        transformers' meaning) cuts the rendered text right after the final
+        message's content, so the model continues that message instead of
+        starting a new turn; callers pass ``add_generation_prompt=False`` with it.
+        Raises ``ValueError`` on any template error.
         """
         escaper = self._new_escaper(messages, tools)
         text = self._render(
@@ -574,6 +586,7 @@ class Tokenizer:
             chat_template=chat_template,
             template_kwargs=template_kwargs,
             escaper=escaper,
+            continue_final_message=continue_final_message,
         )
         ids: list[int] = []
         pos = 0
@@ -589,6 +602,28 @@ class Tokenizer:
         if pos < len(text):
             ids.extend(self._encode_template_text(text[pos:]))
         return ids
+
+
+def _cut_after_final_message(text: str, content: Any) -> str:
+    """``text`` up to the end of the last occurrence of the final message's content.
+
+    The rule transformers applies for ``continue_final_message``: templates may
+    strip a message's surrounding whitespace, so the stripped content is looked
+    up, and the cut keeps the trailing whitespace only where the template kept it.
+    """
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a final message with text content")
+    stripped = content.strip()
+    at = text.rfind(stripped)
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the final message's content does not appear in the "
+            "rendered chat template, so it cannot be continued"
+        )
+    kept = content.lstrip()
+    if text.startswith(kept, at):
+        return text[: at + len(kept)]
+    return text[: at + len(stripped)]
 
 
 def _decoder_has(decoder: Any, kind: str) -> bool:
