@@ -188,7 +188,8 @@ class Supervisor:
         self.router: Child | None = None
         self.stop_requested = False
 
-    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+    def on_signal(self, sig: int, frame: FrameType | None) -> None:
+        """SIGTERM/SIGINT: stop in order; a second one kills every child at once."""
         if self.stop_requested:
             logger.warning("second signal %s: killing every child now", sig)
             for child in self._children():
@@ -205,14 +206,17 @@ class Supervisor:
         logger.info("%s: pid %d on %s:%d", name, proc.pid, self.cfg.host, port)
         return Child(name, proc, port)
 
+    def replica_command(self, port: int) -> list[str]:
+        """This process's command line, as one replica on ``port``."""
+        cmd = [sys.executable, "-m", "server.cli", *self.argv]
+        cmd += ["--data-parallel-size", "1", "--port", str(port)]
+        if self.num_threads is None:
+            cmd += ["--num-threads", str(max(1, usable_cores() // len(self.ports)))]
+        return cmd
+
     def start(self) -> None:
-        threads = self.num_threads or max(1, usable_cores() // len(self.ports))
         for i, port in enumerate(self.ports):
-            cmd = [sys.executable, "-m", "server.cli", *self.argv]
-            cmd += ["--data-parallel-size", "1", "--port", str(port)]
-            if self.num_threads is None:
-                cmd += ["--num-threads", str(threads)]
-            self.replicas.append(self._spawn(f"replica {i}", cmd, port))
+            self.replicas.append(self._spawn(f"replica {i}", self.replica_command(port), port))
         host = worker_host(self.cfg.host)
         urls = [f"http://{host}:{port}" for port in self.ports]
         cmd = router_command(
@@ -291,7 +295,7 @@ def run_data_parallel(argv: Sequence[str], cfg: ServerConfig, num_threads: int |
     ``num_threads``: the ``--num-threads`` setting (None: split the cores).
     """
     sup = Supervisor(argv, cfg, num_threads)
-    previous = {sig: signal.signal(sig, sup._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, sup.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         sup.start()
         status = sup.watch()
