@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from server.protocol import error_body, error_type_for_status
+from server.errors import error_body, error_type_for_status
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -25,7 +25,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 # Paths that stay reachable without a key / while draining. Routers poll
-# /get_load without credentials (server/router_endpoints.py).
+# /get_load without credentials (server/routes/router_api.py).
 _UNAUTHENTICATED_PATHS = frozenset({"/health", "/get_load"})
 _DRAIN_EXEMPT_PATHS = frozenset({"/health", "/metrics", "/version", "/debug/engine"})
 

@@ -1,0 +1,7 @@
+"""One router per API: chat, completions, models (+ tokenize), health (+ metrics, debug), traces,
+router_api (what load-balancing routers poll: ``/get_load``).
+
+Handlers are module-level functions that take the typed ``AppState``
+(``server.state.State``) as a dependency; ``server.app.build_app`` includes
+the routers. A new endpoint goes in the router of its API, or a new module here.
+"""
