@@ -84,6 +84,9 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # Our responses carry ``refusal: null`` (as OpenAI's do), and clients send the
+    # assistant message back as they got it; only that null is accepted.
+    refusal: None = None
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> ChatMessage:

@@ -241,3 +241,14 @@ def test_get_load_while_loading() -> None:
         r = c.get("/get_load")
         assert r.status_code == 503 and r.headers["retry-after"] == "5"
         assert_schema(r.json(), "ErrorResponse")
+
+
+def test_an_answer_sent_back_as_it_came_is_accepted(client: TestClient) -> None:
+    """Clients append the assistant message they got (with ``refusal: null``)."""
+    first = post(client, CHAT, {"messages": MESSAGES}).json()["choices"][0]["message"]
+    assert first["refusal"] is None
+    r = post(client, CHAT, {"messages": [*MESSAGES, first, {"role": "user", "content": "more"}]})
+    assert r.status_code == 200, r.text
+    bad = {**first, "refusal": "I cannot"}
+    r = post(client, CHAT, {"messages": [*MESSAGES, bad, {"role": "user", "content": "more"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.refusal", r.text

@@ -1,17 +1,22 @@
 """Data parallelism end to end on loopback: ``--data-parallel-size 2`` behind vllm-router.
 
-One supervisor (``python -m server.cli --data-parallel-size 2``) starts two
-replicas of a tiny random Llama (the default model's tokenizer, so chat
-templates and text are real) and the real ``vllm-router`` 0.1.17 in front
-(cache-aware policy). Everything goes through the router:
+One supervisor (``python -m server.cli --data-parallel-size 2 --router-policy
+round_robin``) starts two replicas of a tiny random Llama (the default model's
+tokenizer, so chat templates and text are real) and the real ``vllm-router``
+0.1.17 in front; round robin, so that the streams of the kill test land on both
+replicas for certain. The cache-aware comparison starts its own two routers
+(``router_command``, the supervisor's flags) over the same replicas.
+Everything goes through a router:
 
 * requests as a client sends them, re-serialised by the router with its
   SGLang-style fields, are answered; extension fields set to other values are
   honoured or refused by name; ``X-Request-Id`` reaches the replica and back;
-* a multi-conversation workload with a shared system prompt: every request
+* a multi-conversation workload with a shared system prompt (turn by turn
+  across 7 conversations, so round robin's order is fixed): every request
   succeeds, and the replicas' summed prefix-cache hit rate (their own
   ``/metrics``) is higher behind the cache-aware router than behind a
-  round-robin router over the same replicas (distinct conversations per run);
+  round-robin router over the same replicas (distinct conversations per run),
+  and the cache-aware router's ``/tokenize`` calls were answered 200;
 * one replica is SIGKILLed while streams run on both: its streams end with a
   transport error, the survivor's finish, the router takes the dead replica out,
   later requests all succeed, the supervisor keeps serving and exits 1 on SIGTERM.
@@ -22,6 +27,7 @@ Every wait is bounded; the test runs last in its module order because it kills.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import re
@@ -139,6 +145,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 *flags,
                 "--data-parallel-size",
                 "2",
+                "--router-policy",
+                "round_robin",
                 "--port",
                 str(port),
                 "--router-metrics-port",
@@ -273,28 +281,24 @@ SYSTEM = "You are a field guide. Answer in a few words. " * 3
 
 
 def run_workload(url: str, convs: list[list[str]]) -> list[int]:
-    """Each conversation in its own thread, turns in order, history resent; statuses."""
+    """Turn by turn across the conversations, one request at a time; statuses.
+
+    One at a time keeps a round-robin router's order fixed: with an odd number
+    of conversations, every follow-up turn lands on the other replica than the
+    turn before it, so the comparison below does not depend on thread timing.
+    """
     statuses: list[int] = []
-    lock = threading.Lock()
-
-    def one(turns: list[str]) -> None:
-        history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
-        with httpx.Client(timeout=TIMEOUT, trust_env=False) as c:
-            for user in turns:
-                history.append({"role": "user", "content": user})
+    histories = [[{"role": "system", "content": SYSTEM}] for _ in convs]
+    with httpx.Client(timeout=TIMEOUT, trust_env=False) as c:
+        for turn in range(len(convs[0])):
+            for history, turns in zip(histories, convs):
+                history.append({"role": "user", "content": turns[turn]})
                 r = chat(c, url, history)
-                with lock:
-                    statuses.append(r.status_code)
+                statuses.append(r.status_code)
                 if r.status_code != 200:
-                    return
-                history.append(r.json()["choices"][0]["message"])
-
-    threads = [threading.Thread(target=one, args=(t,)) for t in convs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
-        assert not t.is_alive(), "a conversation hung"
+                    return statuses
+                answer = r.json()["choices"][0]["message"]["content"]
+                history.append({"role": "assistant", "content": answer})
     return statuses
 
 
@@ -308,40 +312,52 @@ def hit_rate_of_run(replicas: list[str], run: Callable[[], list[int]]) -> tuple[
     return hits / queries, statuses
 
 
-def test_cache_aware_beats_round_robin(stack: Stack, tmp_path: Path) -> None:
-    n, turns = 6, 4
-    port, metrics_port = free_port(), free_port()
+@contextlib.contextmanager
+def router(replicas: list[str], policy: Any, log: Path) -> Iterator[str]:
+    """Our own vllm-router over ``replicas`` with the supervisor's flags; its URL."""
+    port = free_port()
     cmd = router_command(
         find_router("vllm-router"),
         host="127.0.0.1",
         port=port,
-        worker_urls=stack.replicas,
-        policy="round_robin",
-        metrics_port=metrics_port,
+        worker_urls=replicas,
+        policy=policy,
+        metrics_port=free_port(),
     )
-    rr_url = f"http://127.0.0.1:{port}"
-    with (tmp_path / "rr.log").open("wb") as out:
-        rr = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_until(
-            lambda: httpx.get(rr_url + "/readiness", timeout=2).json()["healthy_workers"] == 2,
+            lambda: httpx.get(url + "/readiness", timeout=2).json()["healthy_workers"] == 2,
             60,
-            "the round-robin router",
+            f"the {policy} router",
         )
-        rr_rate, rr_statuses = hit_rate_of_run(
-            stack.replicas, lambda: run_workload(rr_url, conversations("rr", n, turns))
-        )
+        yield url
     finally:
-        rr.terminate()
-        rr.wait(timeout=20)
-    ca_rate, ca_statuses = hit_rate_of_run(
-        stack.replicas, lambda: run_workload(stack.url, conversations("ca", n, turns))
-    )
-    assert rr_statuses == [200] * (n * turns) and ca_statuses == [200] * (n * turns)
-    print(f"prefix-cache hit rate: cache_aware {ca_rate:.3f}, round_robin {rr_rate:.3f}")
-    # Round robin moves each conversation's next turn to the other replica about
-    # half the time, where only the shared system prompt is cached.
-    assert ca_rate > rr_rate + 0.1, (ca_rate, rr_rate)
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_cache_aware_beats_round_robin(stack: Stack, tmp_path: Path) -> None:
+    n, turns = 7, 4  # an odd number of conversations (run_workload)
+    rates: dict[str, float] = {}
+    for policy in ("round_robin", "cache_aware"):
+        with router(stack.replicas, policy, tmp_path / f"{policy}.log") as url:
+            run = functools.partial(run_workload, url, conversations(policy, n, turns))
+            rate, statuses = hit_rate_of_run(stack.replicas, run)
+        assert statuses == [200] * (n * turns), (policy, statuses)
+        rates[policy] = rate
+    print(f"prefix-cache hit rate: {rates}")
+    # Round robin moves each conversation's next turn to the other replica, which
+    # has at best the turns before the last one cached (for turn 2, only the
+    # shared system prompt); cache-aware routing keeps it where its history is.
+    assert rates["cache_aware"] > rates["round_robin"] + 0.1, rates
+    # The cache-aware router asked the replicas for the prompts' token ids
+    # (after the render probe, which is 404 as on a default vLLM) and got them.
+    log = stack.log.read_text()
+    assert re.search(r'"POST /tokenize HTTP/1.1" 200', log)
+    assert not re.search(r'"POST /tokenize HTTP/1.1" 4', log)
 
 
 # ---------------------------------------------------------------- a replica dies
@@ -387,7 +403,11 @@ def test_replica_killed_mid_run(stack: Stack) -> None:
     def running(url: str) -> int:
         return int(httpx.get(url + "/get_load", timeout=2).json()["num_requests_running"])
 
-    wait_until(lambda: all(running(u) > 0 for u in stack.replicas), 30, "streams on both")
+    try:
+        wait_until(lambda: all(running(u) > 0 for u in stack.replicas), 90, "streams on both")
+    except AssertionError as exc:
+        loads = [httpx.get(u + "/get_load", timeout=5).json() for u in stack.replicas]
+        raise AssertionError(f"{exc}: loads {loads}, streams {results}") from None
     victim_port = int(stack.replicas[1].rsplit(":", 1)[1])
     (victim,) = [p for p in children(stack.proc.pid) if last_port_flag(p) == victim_port]
     os.kill(victim, signal.SIGKILL)
