@@ -2,10 +2,11 @@
 
 Each configuration is started on loopback (``python -m server.cli``; the two
 replica ones with ``--data-parallel-size 2 --router-policy ...``, i.e. two
-replicas behind vllm-router), driven with the same multi-conversation workload
+replicas behind vllm-router; one replica also with ``--num-threads 1``, the
+thread count each of two replicas gets), driven with the same multi-conversation workload
 (``conversations``: every conversation opens with the bundled system prompt and
 each turn resends its history), and stopped; the configurations alternate
-``--repeats`` times (A, B, C, A, B, C) so the machine's drift hits all alike.
+``--repeats`` times (A, B, C, D, A, B, C, D) so the machine's drift hits all alike.
 Per configuration: output tok/s, TTFT p50/p99 and the prefix-cache hit rate
 summed over its replicas' own ``/metrics`` (tokens found / tokens looked up).
 
@@ -45,10 +46,15 @@ class Config:
     name: str
     replicas: int
     policy: str | None = None  # None: one server, no router
+    flags: tuple[str, ...] = ()
 
 
+# "1 replica, 1 thread" has the per-replica thread count of the two-replica
+# configurations (the supervisor gives each cores // 2), so the effect of the
+# second replica is told apart from the effect of fewer threads per engine.
 CONFIGS = (
-    Config("1 replica", 1),
+    Config("1 replica (all cores)", 1),
+    Config("1 replica, 1 thread", 1, flags=("--num-threads", "1")),
     Config("2 replicas, round robin", 2, "round_robin"),
     Config("2 replicas, cache-aware", 2, "cache_aware"),
 )
@@ -82,7 +88,7 @@ def serving(cfg: Config, extra: list[str], log: Path) -> Iterator[tuple[str, lis
     """Start ``cfg``; yield (the URL clients use, the replicas' URLs)."""
     port = free_port()
     argv = [sys.executable, "-m", "server.cli", "--host", "127.0.0.1", "--port", str(port)]
-    argv += extra
+    argv += [*extra, *cfg.flags]
     if cfg.replicas == 1:
         with running(ServerSpec(cfg.name, argv, port, "/health"), log, 600) as url:
             yield url, [url]
@@ -126,7 +132,7 @@ def render(
         f"Workload `conversations`: {a.conversations} conversations x {a.turns} turns, "
         f"each opening with the bundled ~1,100-token system prompt and resending its "
         f"history, concurrency {a.concurrency}, max_tokens {a.max_tokens}, temperature 0; "
-        f"{a.repeats} alternations of the three configurations, repeats pooled. "
+        f"{a.repeats} alternations of the configurations, repeats pooled. "
         "The two-replica configurations are `fuel-serve --data-parallel-size 2 "
         "--router-policy POLICY` (vllm-router 0.1.17 in front; each replica gets "
         "`--num-threads cores/2`); the single replica uses every core. Hit rate: "
@@ -143,7 +149,7 @@ def render(
             f"{m.ttft.percentiles_ms.get('p99', float('nan')):.0f} | {rate:.1%} | "
             f"{m.completed} | {m.failed} | {ratio:.2f}x |"
         )
-    rr, ca = rows[1], rows[2]
+    rr, ca = rows[2], rows[3]
     if rr[1].ttft.median_ms:
         lines += [
             "",
@@ -171,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     loads = [Path("/proc/loadavg").read_text().strip()]
     for rep in range(a.repeats):
         for cfg in CONFIGS:
-            log = logs / f"scaleout-{cfg.replicas}-{cfg.policy or 'direct'}-{rep}.log"
+            tag = cfg.policy or ("direct-1t" if cfg.flags else "direct")
+            log = logs / f"scaleout-{cfg.replicas}-{tag}-{rep}.log"
             with serving(cfg, extra, log) as (url, replicas):
                 opts = BenchOptions(
                     base_url=url,
