@@ -33,11 +33,22 @@ _TINY_COMMON: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+# Mixture-of-experts families (engine/models/moe.py): 4-8 experts of width 32, top-2.
+TINY_MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def tiny_hf_config(arch: str, **overrides: Any) -> Any:
     """A transformers config for a tiny model of ``arch`` (one of ``TINY_ARCHS``)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     kw: dict[str, Any] = dict(_TINY_COMMON)
     if arch == "llama":
@@ -62,8 +73,32 @@ def tiny_hf_config(arch: str, **overrides: Any) -> Any:
         cls = Qwen3Config
         # head_dim deliberately differs from hidden_size // num_attention_heads.
         kw["head_dim"] = 32
+    elif arch == "mixtral":
+        cls = MixtralConfig
+        kw.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+        kw["sliding_window"] = None
+    elif arch == "qwen2_moe":
+        cls = Qwen2MoeConfig
+        kw.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+        )
+    elif arch == "qwen3_moe":
+        cls = Qwen3MoeConfig
+        kw.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            head_dim=32,
+        )
+    elif arch == "olmoe":
+        cls = OlmoeConfig
+        kw.update(num_experts=8, num_experts_per_tok=2, intermediate_size=32)
     else:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS + TINY_MOE_ARCHS}")
     kw.update(overrides)
     return cls(**kw)
 
@@ -85,8 +120,9 @@ def make_tiny_checkpoint(tmp_path: Path, arch: str, seed: int = 0, **overrides: 
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 2 and "embed_tokens" not in name:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            elif p.dim() >= 2 and "embed_tokens" not in name:
+                # Matrices (and stacked [E, out, in] expert matrices) scaled by fan-in.
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen))
     suffix = "-".join(f"{k}={v}" for k, v in sorted(overrides.items()))
