@@ -117,7 +117,9 @@ def _moe_gate_up_kernel(  # type: ignore[no-untyped-def]
             )
             w_mask = k_ok[:, None] & col_ok[None, :]
             wg = tl.load(
-                w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_mask, other=0.0
+                w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                mask=w_mask,
+                other=0.0,
             )
             wu = tl.load(
                 w_base + (cols[None, :] + inter).to(tl.int64) * stride_wn + ks[:, None],
@@ -314,7 +316,7 @@ def fused_moe_ref(
     weights: torch.Tensor,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`fused_moe`: each slot on its own, in float32."""
-    t, h, e, i, k = _check(x, w13, w2, expert_ids, weights)
+    i = _check(x, w13, w2, expert_ids, weights)[3]
     kept = expert_ids >= 0
     ids = expert_ids.clamp(min=0).long()
     xf = x.float()

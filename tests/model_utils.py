@@ -8,6 +8,7 @@ logits are O(1) and a numerical mismatch cannot hide under tiny values.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +292,98 @@ def random_kquant_blocks(qtype: Any, rows: int, cols: int, seed: int = 0) -> np.
     else:
         raise ValueError(f"not a K-quant this helper knows: {qtype}")
     return data.reshape(rows, -1)
+
+
+# HF architecture (tiny test name) -> llama.cpp GGUF architecture.
+_MOE_GGUF_ARCH = {
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
+}
+_HF_TO_GGUF_MOE = {
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+
+
+def write_moe_gguf(hf_dir: Path, arch: str, out: Path, expert_qtype: Any = None) -> Path:
+    """Convert a tiny MoE HF checkpoint (``arch`` in ``TINY_MOE_ARCHS``) to GGUF as
+    llama.cpp's converter does: experts stacked into ``ffn_{gate,up,down}_exps``
+    (``[E, out, in]``), Mixtral as a ``llama`` file (q/k rows permuted), the
+    shared-expert gate as a vector. ``expert_qtype`` quantizes the stacked experts."""
+    import gguf
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    garch = _MOE_GGUF_ARCH[arch]
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    num_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    w = gguf.GGUFWriter(str(out), garch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    stacked: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    expert_re = re.compile(
+        r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+    )
+    parts = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up"}
+    parts["down_proj"] = "down"
+    for name, arr in tensors.items():
+        arr = arr.astype(np.float32)
+        m = expert_re.match(name)
+        if m is not None:
+            layer, e, part = int(m[1]), int(m[2]), parts[m[3]]
+            stacked.setdefault((layer, part), {})[e] = arr
+            continue
+        if name in _HF_TO_GGUF_GLOBAL:
+            gname = _HF_TO_GGUF_GLOBAL[name]
+        else:
+            _, _, layer_s, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            module = module.replace("block_sparse_moe.", "mlp.")
+            gpart = _HF_TO_GGUF_MOE.get(module) or _HF_TO_GGUF_BLOCK[module]
+            gname = f"blk.{layer_s}.{gpart}.{kind}"
+        if garch == "llama" and name.endswith("q_proj.weight"):
+            arr = llama_cpp_permute(arr, heads)
+        elif garch == "llama" and name.endswith("k_proj.weight"):
+            arr = llama_cpp_permute(arr, kv_heads)
+        if gname.endswith("ffn_gate_inp_shexp.weight"):
+            arr = arr.reshape(-1)
+        w.add_tensor(gname, arr)
+    for (layer, part), per_expert in sorted(stacked.items()):
+        arr = np.stack([per_expert[e] for e in range(num_experts)])
+        gname = f"blk.{layer}.ffn_{part}_exps.weight"
+        if expert_qtype is None:
+            w.add_tensor(gname, arr)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(arr, expert_qtype), raw_dtype=expert_qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

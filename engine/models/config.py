@@ -250,9 +250,7 @@ def _moe_from_hf(arch: str, cfg: Any) -> dict[str, Any]:
     num_experts = int(cfg.num_experts)
     step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
     only = set(getattr(cfg, "mlp_only_layers", None) or [])
-    dense = tuple(
-        i for i in range(layers) if i in only or num_experts == 0 or (i + 1) % step != 0
-    )
+    dense = tuple(i for i in range(layers) if i in only or num_experts == 0 or (i + 1) % step != 0)
     shared = 0
     if arch == "Qwen2MoeForCausalLM":
         shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)

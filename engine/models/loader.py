@@ -330,8 +330,11 @@ _GGUF_BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    # Mixture of experts. ``ffn_*_exps`` are stacked ``[E, ...]`` tensors; the
-    # MoE model splits ``mlp.experts.*_proj.weight`` per expert (engine/models/moe.py).
+}
+# Mixture-of-experts tensors (only in MoE files). ``ffn_*_exps`` are stacked
+# ``[E, ...]`` tensors; the MoE model splits ``mlp.experts.*_proj.weight`` per
+# expert (engine/models/moe.py).
+_GGUF_MOE_BLOCK_NAMES = {
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
@@ -344,18 +347,21 @@ _GGUF_BLOCK_NAMES = {
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """Map a llama.cpp tensor name to its Hugging Face name.
+def gguf_to_hf_name(name: str, moe: bool = False) -> str:
+    """Map a llama.cpp tensor name to its Hugging Face name (``moe``: expert tensors too).
 
     Raises:
-        ValueError: the tensor has no Hugging Face counterpart we know.
+        ValueError: the tensor has no Hugging Face counterpart we know (expert
+            tensors in a file that is not ``moe``).
     """
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     m = _GGUF_BLOCK_RE.match(name)
-    if m is not None and m.group(2) in _GGUF_BLOCK_NAMES:
+    if m is not None:
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_GGUF_BLOCK_NAMES[part]}.{kind}"
+        mapped = _GGUF_BLOCK_NAMES.get(part) or (_GGUF_MOE_BLOCK_NAMES.get(part) if moe else None)
+        if mapped is not None:
+            return f"model.layers.{layer}.{mapped}.{kind}"
     raise ValueError(f"unknown GGUF tensor {name!r}")
 
 
@@ -399,7 +405,7 @@ def _iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     # Python ``__array_finalize__`` per view, which dominated dequantization.
     data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
     for info in g.tensors.values():
-        hf_name = gguf_to_hf_name(info.name)
+        hf_name = gguf_to_hf_name(info.name, moe=cfg.is_moe)
         t = _dequantize(g, data, info)
         if permute and ".self_attn.q_proj." in hf_name:
             t = _undo_llama_permute(t, cfg.num_attention_heads)

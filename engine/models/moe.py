@@ -61,7 +61,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from engine.models.moe_routing import Routing, RouterSpec, RoutingContext, route
+from engine.models.moe_routing import RouterSpec, Routing, RoutingContext, route
 from engine.models.ops import ModelOps, TorchModelOps
 from engine.stats import MoeLayerStats
 from kernels.cpu_native import CpuKernels
@@ -201,7 +201,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, context: RoutingContext | None) -> torch.Tensor:
         routing = route(self.gate(x), self.spec, context)
-        out = self.experts(x, routing)
+        out: torch.Tensor = self.experts(x, routing)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
@@ -327,7 +327,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         for block in self.moe_blocks():
             prefix = f"model.layers.{block.layer_index}.mlp.experts."
             for e in range(block.experts.num_experts):
-                names.update(f"{prefix}{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj"))
+                names.update(
+                    f"{prefix}{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")
+                )
         return names
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

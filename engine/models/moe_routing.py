@@ -197,7 +197,7 @@ def assign_with_capacity(
             who = rows[pending]
             if who.numel() == 0:
                 break
-            cand = pref.gather(1, best_rank[who, None].clamp(max=e - 1)).squeeze(1)
+            cand = pref[who, best_rank[who]]
             score = probs[who, cand]
             # Priority within each expert: score desc, then tie rank asc (stable sorts,
             # least significant key first).
