@@ -154,7 +154,10 @@ class MoeExperts(nn.Module):
             rows = tokens[start : start + n]
             h = self.ops.silu_mul(self.expert_linear(expert, 0, x[rows]))
             h = self.expert_linear(expert, 1, h) * weights[start : start + n, None]
-            out.index_add_(0, rows, h.to(out.dtype))
+            # A token meets each expert at most once, so ``rows`` are distinct and this
+            # is ``out[rows] += h`` (index_add_'s arithmetic); index_put_ stays serial
+            # where index_add_ opens an OpenMP region (a wake-up per expert per layer).
+            out.index_put_((rows,), h.to(out.dtype), accumulate=True)
             start += n
         return out
 
