@@ -100,7 +100,9 @@ def decode_step_ms(eng: LLMEngine, streams: int, steps: int, prompt_len: int, sa
     vocab = eng.model_config.vocab_size
     for i, p in enumerate(_prompts(streams, prompt_len, vocab, salt)):
         eng.add_request(
-            f"s{salt}-{i}", p, SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+            f"s{salt}-{i}",
+            p,
+            SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True),
         )
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) or (
         eng.scheduler.waiting
@@ -208,9 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"streams": s, "moe_ms": m, "dense_ms": d})
         print(f"| {s} | {m:.2f} | {d:.2f} | {m / d:.2f} | {s / m * 1e3:.0f} | {s / d * 1e3:.0f} |")
     print()
-    print(
-        "| capacity | prefill max/mean | decode max/mean | rerouted | dropped | decode step ms |"
-    )
+    print("| capacity | prefill max/mean | decode max/mean | rerouted | dropped | decode step ms |")
     print("|---|---|---|---|---|---|")
     for name, v in loads.items():
         print(
