@@ -2,7 +2,8 @@
 
 A trace tells one request's story as the engine saw it: how long it waited,
 each prefill chunk (tokens, offset, ms), each decode step (ms, batch size),
-KV blocks held, prefix-cache hits, preemptions and how it finished. Units are
+KV blocks held, prefix-cache hits, preemptions, token slots an MoE expert
+capacity rerouted or dropped, and how it finished. Units are
 in the field names (``_ms``, ``_s``, ``num_``); times are ``time.monotonic``.
 
 Privacy: by default a trace holds metadata only. Prompt/output text, token ids

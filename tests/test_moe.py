@@ -35,6 +35,7 @@ from engine.models.loader import load_model, load_model_config
 from engine.models.moe import MoeExperts, MoeForCausalLM
 from engine.models.moe_routing import (
     RouterSpec,
+    Routing,
     RoutingContext,
     assign_with_capacity,
     expert_capacity,
@@ -362,25 +363,41 @@ def test_dropped_token_leaves_the_block_on_residual_and_shared_expert_only(tiny_
 # ---------------------------------------------------------------- kernels
 
 
-def test_cpu_grouped_path_matches_reference() -> None:
-    """The CPU grouped path vs the per-slot reference (the Triton kernels' tests are
-    in tests/test_kernels.py, which benchmarks/gpu_check.py also runs on CUDA)."""
+def _experts(w13: torch.Tensor, w2: torch.Tensor) -> MoeExperts:
+    experts = MoeExperts(w13.shape[0], w13.shape[2], w2.shape[2])
+    with torch.no_grad():
+        assert experts.gate_up is not None and experts.down is not None
+        experts.gate_up.copy_(w13)
+        experts.down.copy_(w2)
+    return experts
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_cpu_grouped_paths_match_reference(skewed: bool) -> None:
+    """Both CPU paths (one padded bmm per matrix when the slots spread over the
+    experts; a loop over the experts with tokens when they do not) vs the per-slot
+    reference, and against each other (the same GEMMs up to the BLAS kernel's choice
+    for the row count: a few ulps). (The Triton kernels' tests are
+    in tests/test_kernels.py, which benchmarks/gpu_check.py also runs on CUDA.)"""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(19, 64, generator=g)
     w13 = torch.randn(8, 64, 64, generator=g) / 8
     w2 = torch.randn(8, 64, 32, generator=g) / 32**0.5
     ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(19)])
+    if skewed:  # most slots on experts 0-2: 8 * 18 rows > 2 * 56 slots -> the loop
+        ids = torch.stack([torch.randperm(3, generator=g) for _ in range(19)])
+        ids[0] = torch.tensor([5, 6, 7])
     ids[1, -1] = -1
     w = torch.rand(19, 3, generator=g)
-    experts = MoeExperts(8, 64, 32)
-    with torch.no_grad():
-        assert experts.gate_up is not None and experts.down is not None
-        experts.gate_up.copy_(w13)
-        experts.down.copy_(w2)
-        from engine.models.moe_routing import Routing
-
-        got = experts(x, Routing(ids, w))
+    routing = Routing(ids, w)
+    stacked = _experts(w13, w2)
+    looped = _experts(w13, w2)
+    looped.use_linears(lambda m: PackedLinear(m, None, min_rows=10**6))  # F.linear per expert
+    assert looped.gate_up is None
+    with torch.inference_mode():
+        got, loop = stacked(x, routing), looped(x, routing)
     torch.testing.assert_close(got, fused_moe_ref(x, w13, w2, ids, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, loop, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("cpu_linear", ["onednn", "int8", "q4_1"])
@@ -416,8 +433,17 @@ def test_cpu_linear_strategies_take_the_experts(tiny_dir: Path, cpu_linear: str)
     assert isinstance(model, MoeForCausalLM)
     cls = {"onednn": PackedLinear, "int8": Int8DynamicLinear, "q4_1": BlockQuantLinear}[cpu_linear]
     for block in model.moe_blocks():
-        assert block.experts.linears is not None and block.experts.gate_up is None
+        assert block.experts.linears is not None
         assert len(block.experts.linears) == 2 * cfg.num_experts
+        # oneDNN packing keeps views of the stacked weights (for the bmm path); the
+        # quantized strategies own their blocks and the float weights are gone.
+        if cpu_linear == "onednn":
+            assert block.experts.gate_up is not None
+            first = block.experts.linears[0]
+            assert isinstance(first, PackedLinear)
+            assert first.weight.data_ptr() == block.experts.gate_up.data_ptr()
+        else:
+            assert block.experts.gate_up is None
         assert all(isinstance(m, cls) for m in block.experts.linears)
         assert not isinstance(block.gate, cls)  # the router stays an exact float linear
     got = _prefill_logits(model, cfg, ids)

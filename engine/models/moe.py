@@ -86,8 +86,17 @@ class MoeExperts(nn.Module):
     """``E`` SwiGLU experts: ``gate_up`` ``[E, 2I, H]`` and ``down`` ``[E, H, I]``.
 
     ``forward(x, routing)`` returns ``sum_s weight[t, s] * expert_{id[t, s]}(x[t])``
-    (dropped slots, id ``-1``, add nothing). After ``use_linears`` the stacked
-    parameters are gone and each expert matrix is a module built by the factory.
+    (dropped slots, id ``-1``, add nothing). After ``use_linears`` each expert
+    matrix is a module built by the factory; the stacked parameters stay only
+    when those modules share their storage (``keep_stacked``).
+
+    CPU: with the stacked weights at hand and the slots spread over the experts
+    (``E * max_rows <= 2 * slots``: decode of many streams, long prefills) one
+    padded ``bmm`` per matrix runs every expert at once: the same GEMM per
+    expert as ``F.linear`` (equal up to the BLAS kernel chosen for the row
+    count) in two calls instead of ``2E``, each of which would pay an OpenMP
+    wake-up; otherwise (a few streams, a quantized strategy) a loop over the
+    experts that have tokens.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
@@ -104,17 +113,22 @@ class MoeExperts(nn.Module):
         self.linears: nn.ModuleList | None = None
         self.ops: ModelOps = TorchModelOps()  # shared strategy, set by set_ops
 
-    def use_linears(self, make: ExpertLinearFactory) -> int:
-        """Hand every expert matrix to ``make`` (a CPU linear strategy); returns the count."""
-        if self.gate_up is None or self.down is None:
+    def use_linears(self, make: ExpertLinearFactory, keep_stacked: bool = False) -> int:
+        """Hand every expert matrix to ``make`` (a CPU linear strategy); returns the count.
+
+        ``keep_stacked``: the modules keep views of the stacked weights (oneDNN
+        packing does), so the padded-``bmm`` path stays available at no memory cost.
+        """
+        if self.linears is not None or self.gate_up is None or self.down is None:
             raise RuntimeError("the experts' linears were already replaced")
         mods: list[nn.Module] = []
         for e in range(self.num_experts):
             mods.append(make(self.gate_up.data[e]))
             mods.append(make(self.down.data[e]))
         self.linears = nn.ModuleList(mods)
-        self.gate_up = None
-        self.down = None
+        if not keep_stacked:
+            self.gate_up = None
+            self.down = None
         return len(mods)
 
     def expert_linear(self, expert: int, which: int, x: torch.Tensor) -> torch.Tensor:
@@ -146,6 +160,11 @@ class MoeExperts(nn.Module):
         tokens = order // k
         weights = routing.weights.reshape(-1)[order]
         out = torch.zeros_like(x)
+        slots = sum(counts[:e])
+        if slots == 0:
+            return out
+        if self.gate_up is not None and self.down is not None and e * max(counts[:e]) <= 2 * slots:
+            return self._padded_bmm(x, tokens, weights, counts[:e], out)
         start = 0
         for expert in range(e):
             n = counts[expert]
@@ -159,6 +178,36 @@ class MoeExperts(nn.Module):
             # where index_add_ opens an OpenMP region (a wake-up per expert per layer).
             out.index_put_((rows,), h.to(out.dtype), accumulate=True)
             start += n
+        return out
+
+    def _padded_bmm(
+        self,
+        x: torch.Tensor,
+        tokens: torch.Tensor,
+        weights: torch.Tensor,
+        counts: list[int],
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Every expert in one ``bmm`` per matrix over ``[E, max_rows]`` padded row blocks.
+
+        ``tokens``/``weights`` are the slots sorted by expert; padding rows repeat
+        sorted row 0 and are computed but never scattered.
+        """
+        assert self.gate_up is not None and self.down is not None
+        e = self.num_experts
+        m = max(counts)
+        n = torch.tensor(counts, dtype=torch.int64, device=x.device)
+        starts = torch.cumsum(n, 0) - n
+        j = torch.arange(m, device=x.device)
+        valid = j[None, :] < n[:, None]  # [E, m]
+        pos = torch.where(valid, starts[:, None] + j[None, :], 0)
+        rows = tokens[pos]
+        h = torch.bmm(x[rows], self.gate_up.transpose(1, 2))  # [E, m, 2I]
+        h = self.ops.silu_mul(h.view(e * m, -1)).view(e, m, -1)
+        y = torch.bmm(h, self.down.transpose(1, 2)) * weights[pos][..., None]
+        # Row-major over [E, m]: each token's contributions arrive in ascending expert
+        # order, as in the loop (accumulating index_put_ is sequential on the CPU).
+        out.index_put_((rows[valid],), y[valid].to(out.dtype), accumulate=True)
         return out
 
 
@@ -303,7 +352,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         from engine.models.linear import PackedLinear
 
         n = super().pack_for_cpu(min_rows)
-        return n + self._experts_use(lambda w: PackedLinear(w, None, min_rows))
+        packed = sum(
+            b.experts.use_linears(lambda w: PackedLinear(w, None, min_rows), keep_stacked=True)
+            for b in self.moe_blocks()
+        )
+        return n + packed
 
     def quantize_int8_for_cpu(self) -> int:
         from engine.models.linear import Int8DynamicLinear
