@@ -192,7 +192,8 @@ def assign_with_capacity(
         pending = torch.ones(t, dtype=torch.bool, device=device)
         for _ in range(e + 1):  # each rejecting expert fills up: at most E + 1 proposals
             open_ = (room > 0)[None, :] & ~used
-            best_rank, _ = torch.where(open_, pref_rank, e).min(dim=1)
+            # amin, not min(dim): the values suffice, and min(dim) opens an OpenMP region.
+            best_rank = torch.where(open_, pref_rank, e).amin(dim=1)
             pending &= best_rank < e  # nowhere left: this slot passes through
             who = rows[pending]
             if who.numel() == 0:
