@@ -9,11 +9,12 @@ whole engine (exact mode: float32, oneDNN-packed linears, float32 KV).
 
 1. Decode step time and output tokens/s at each ``--streams`` count, MoE and
    dense alternating per round (drift hits both); best of ``--rounds``.
-2. Expert load under each ``--capacities`` setting (``none`` = no capacity):
-   the same workload (``--load-streams`` prompts, prefill then decode), and per
-   step and MoE layer the max over mean token slots per expert, averaged
-   separately over prefill and decode steps; plus the fraction of slots the
-   capacity rerouted or dropped, and the mean decode step time.
+2. Expert load under each ``--capacities`` setting (``none`` = no capacity),
+   one engine each, stepped in turn: the same workload (``--load-streams``
+   prompts, prefill then decode), and per step and MoE layer the max over mean
+   token slots per expert, averaged separately over prefill and decode steps;
+   the fraction of slots the capacity rerouted or dropped; the median decode
+   step time.
 
 Usage::
 
@@ -129,38 +130,49 @@ def _imbalance(prev: tuple[MoeLayerStats, ...], cur: tuple[MoeLayerStats, ...]) 
     return out
 
 
-def expert_load(eng: LLMEngine, streams: int, prompt_len: int, gen: int) -> dict[str, float]:
-    """Run ``streams`` requests to completion; load statistics per step kind."""
-    vocab = eng.model_config.vocab_size
-    for i, p in enumerate(_prompts(streams, prompt_len, vocab, 7)):
-        eng.add_request(
-            f"load-{i}", p, SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
-        )
-    prefill: list[float] = []
-    decode: list[float] = []
-    decode_ms: list[float] = []
-    model: Any = eng.model
-    prev = model.routing_stats()
-    while eng.has_unfinished():
-        is_decode = all(r.num_computed_tokens >= r.num_prompt_tokens for r in eng.scheduler.running)
-        is_decode = is_decode and not eng.scheduler.waiting
-        t0 = time.perf_counter()
-        eng.step()
-        dt = (time.perf_counter() - t0) * 1000
-        cur = eng.stats.moe_layers
-        (decode if is_decode else prefill).extend(_imbalance(prev, cur))
-        if is_decode:
-            decode_ms.append(dt)
-        prev = cur
-    layers = eng.stats.moe_layers
-    slots = sum(sum(x.expert_tokens) + x.dropped_tokens for x in layers)
-    return {
-        "prefill_max_over_mean": sum(prefill) / max(1, len(prefill)),
-        "decode_max_over_mean": sum(decode) / max(1, len(decode)),
-        "rerouted_frac": sum(x.rerouted_tokens for x in layers) / slots,
-        "dropped_frac": sum(x.dropped_tokens for x in layers) / slots,
-        "decode_step_ms": sorted(decode_ms)[len(decode_ms) // 2],
-    }
+def expert_loads(
+    engines: dict[str, LLMEngine], streams: int, prompt_len: int, gen: int
+) -> dict[str, dict[str, float]]:
+    """Run the same ``streams`` requests on every engine, one step each in turn (drift
+    hits all); load statistics per engine and step kind (prefill or decode)."""
+    state: dict[str, dict[str, Any]] = {}
+    for name, eng in engines.items():
+        vocab = eng.model_config.vocab_size
+        for i, p in enumerate(_prompts(streams, prompt_len, vocab, 7)):
+            eng.add_request(
+                f"load-{i}", p, SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+            )
+        model: Any = eng.model
+        state[name] = {"prev": model.routing_stats(), "prefill": [], "decode": [], "ms": []}
+    while any(eng.has_unfinished() for eng in engines.values()):
+        for name, eng in engines.items():
+            if not eng.has_unfinished():
+                continue
+            st = state[name]
+            is_decode = not eng.scheduler.waiting and all(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in eng.scheduler.running
+            )
+            t0 = time.perf_counter()
+            eng.step()
+            dt = (time.perf_counter() - t0) * 1000
+            cur = eng.stats.moe_layers
+            st["decode" if is_decode else "prefill"].extend(_imbalance(st["prev"], cur))
+            if is_decode:
+                st["ms"].append(dt)
+            st["prev"] = cur
+    out = {}
+    for name, eng in engines.items():
+        st = state[name]
+        layers = eng.stats.moe_layers
+        slots = sum(sum(x.expert_tokens) + x.dropped_tokens for x in layers)
+        out[name] = {
+            "prefill_max_over_mean": sum(st["prefill"]) / max(1, len(st["prefill"])),
+            "decode_max_over_mean": sum(st["decode"]) / max(1, len(st["decode"])),
+            "rerouted_frac": sum(x.rerouted_tokens for x in layers) / slots,
+            "dropped_frac": sum(x.dropped_tokens for x in layers) / slots,
+            "decode_step_ms": sorted(st["ms"])[len(st["ms"]) // 2],
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,12 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                     times[(s, name)].append(
                         decode_step_ms(eng, s, args.steps, args.prompt_len, salt)
                     )
-        loads = {}
-        for cap in caps:
-            eng = engines["moe"] if cap is None else make_engine(moe_dir, cap)
-            loads["none" if cap is None else f"{cap:g}"] = expert_load(
-                eng, args.load_streams, args.prompt_len, args.load_gen
-            )
+        load_engines = {
+            "none" if cap is None else f"{cap:g}": make_engine(moe_dir, cap) for cap in caps
+        }
+        loads = expert_loads(load_engines, args.load_streams, args.prompt_len, args.load_gen)
     print(f"threads={torch.get_num_threads()} {vars(args)}")
     print("| streams | MoE step ms | dense step ms | MoE/dense | MoE tok/s | dense tok/s |")
     print("|---|---|---|---|---|---|")
