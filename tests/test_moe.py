@@ -154,7 +154,7 @@ def test_engine_greedy_matches_transformers_alone_and_batched(tiny_dir: Path, ar
     eng = tiny_engine(model_dir)
     assert LLM(engine=eng).generate([prompt], greedy())[0].token_ids == want
     assert run_batched(eng, prompt, seed=1) == want
-    assert run_batched(tiny_engine(model_dir, max_num_batched_tokens=5), prompt, seed=2) == want
+    # Chunked prefill, preemption, n > 1 and the prefix cache: tests/test_differential.py.
 
 
 @pytest.mark.parametrize("arch", TINY_MOE_ARCHS)
