@@ -43,6 +43,7 @@ from engine.models.moe_routing import (
     route,
 )
 from engine.stats import EngineStats, MoeLayerStats
+from engine.trace import MoeCapacity
 from kernels.fused_moe import fused_moe_ref
 from server.metrics import Metrics
 from tests.model_utils import (
@@ -492,12 +493,9 @@ def test_capacity_in_the_engine_is_batch_order_invariant_and_counted(tiny_dir: P
         total_dropped += layer.dropped_tokens
     assert total_rerouted > 0
     # Request traces add up to the same totals.
-    events = [
-        ev
-        for i in range(4)
-        for ev in eng.get_trace(f"r{i}").events
-        if ev.kind == "moe_capacity"  # type: ignore[union-attr]
-    ]
+    traces = [eng.get_trace([f"r{i}"]) for i in range(4)]
+    events = [ev for t in traces if t is not None for ev in t.events if isinstance(ev, MoeCapacity)]
+    assert len(events) > 0 and all(t is not None for t in traces)
     assert sum(ev.num_rerouted for ev in events) == total_rerouted
     assert sum(ev.num_dropped for ev in events) == total_dropped
     assert all(len(v) == 6 for v in (*free.values(), *capped.values()))

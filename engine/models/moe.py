@@ -191,7 +191,11 @@ class MoeExperts(nn.Module):
         """Every expert in one ``bmm`` per matrix over ``[E, max_rows]`` padded row blocks.
 
         ``tokens``/``weights`` are the slots sorted by expert; padding rows repeat
-        sorted row 0 and are computed but never scattered.
+        sorted row 0 and are computed but never scattered. Each token's
+        contributions are summed in ascending expert order, ``((0 + c_1) + c_2) +
+        ...`` as the loop does: one accumulating scatter would add duplicates in
+        an unspecified order (torch's CPU ``index_put_`` uses atomic adds on
+        large float inputs), which a token with ``k > 2`` experts would see.
         """
         assert self.gate_up is not None and self.down is not None
         e = self.num_experts
@@ -205,9 +209,22 @@ class MoeExperts(nn.Module):
         h = torch.bmm(x[rows], self.gate_up.transpose(1, 2))  # [E, m, 2I]
         h = self.ops.silu_mul(h.view(e * m, -1)).view(e, m, -1)
         y = torch.bmm(h, self.down.transpose(1, 2)) * weights[pos][..., None]
-        # Row-major over [E, m]: each token's contributions arrive in ascending expert
-        # order, as in the loop (accumulating index_put_ is sequential on the CPU).
-        out.index_put_((rows[valid],), y[valid].to(out.dtype), accumulate=True)
+        # Row-major over [E, m]: the slots in ascending expert order. Give each its
+        # rank among its token's slots (stable sort by token), place it in a
+        # [T, k, H] buffer at (token, rank), and fold the ranks left to right.
+        tok = rows[valid]
+        by_tok = torch.argsort(tok, stable=True)
+        tok_sorted = tok[by_tok]
+        per_tok = torch.bincount(tok_sorted, minlength=x.shape[0])
+        rank = (
+            torch.arange(tok.numel(), device=x.device)
+            - (torch.cumsum(per_tok, 0) - per_tok)[tok_sorted]
+        )
+        k = int(rank.max()) + 1
+        buf = x.new_zeros((x.shape[0], k, x.shape[1]))
+        buf[tok_sorted, rank] = y[valid][by_tok].to(out.dtype)
+        for r in range(k):  # a loop over slot ranks (at most top-k), not over tokens
+            out = out + buf[:, r]
         return out
 
 
