@@ -3,7 +3,8 @@
 The engine's public surface, for the server and any other front end, is:
 
 * this module (``EngineClient``, ``ClientTokenizer``, the JSON types of the seam,
-  and re-exports of what the client returns: ``EngineStats``, ``RequestTrace``
+  and re-exports of what the client returns: ``EngineStats`` (with its
+  ``MoeLayerStats``), ``RequestTrace``
   with its helpers, ``SAFE_TEMPLATE_KWARGS``);
 * ``engine.request.RequestOptions`` (per-request options beyond sampling);
 * ``engine.sampling.params`` (``SamplingParams``, ``StructuredOutputSpec``);
@@ -25,7 +26,7 @@ from typing import Literal, Protocol, TypeAlias, runtime_checkable
 from engine.outputs import RequestOutput
 from engine.request import RequestOptions
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
-from engine.stats import EngineStats
+from engine.stats import EngineStats, MoeLayerStats
 from engine.text.tokenizer import SAFE_TEMPLATE_KWARGS
 from engine.trace import RequestTrace, review_for_publication, summarize_timings
 
@@ -48,6 +49,7 @@ __all__ = [
     "ForcedToolChoice",
     "JsonObject",
     "JsonValue",
+    "MoeLayerStats",
     "RequestTrace",
     "review_for_publication",
     "summarize_timings",

@@ -96,6 +96,13 @@ class EngineConfig:
         "(llama.cpp's Q4_1 blocks, Q8_0 logits, native kernels for steps of up to 8 rows, fp16 "
         "above: fastest for few streams, near-exact; a Q4_1 GGUF keeps its exact weights).",
     )
+    moe_capacity_factor: float | None = setting(
+        None,
+        "Mixture-of-Experts models: each expert takes at most ceil(F * tokens * k / experts) "
+        "token slots per step; overflow goes to the token's next-best expert with room, else "
+        "passes through on the residual (default: no limit, exact routing).",
+        minimum=0.01,
+    )
     debug_invariants: bool = setting(False, "Check scheduler/KV invariants every step (slow).")
     max_logprobs: int = setting(20, "Largest logprobs/top_logprobs accepted.", minimum=0)
     enable_request_traces: bool = setting(False, "Record per-request traces.")
