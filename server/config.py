@@ -16,6 +16,8 @@ from engine.settings import parse_bytes, setting, validate_fields
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+# The shipped tool-call parsers (server/tool_parsers/), named as vLLM names them.
+ToolParserName = Literal["hermes", "llama3_json", "mistral"]
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerConfig", "parse_bytes"]
 
@@ -44,11 +46,13 @@ class ServerConfig:
     shutdown_timeout: float = setting(
         30.0, "Seconds in-flight requests get on SIGTERM.", minimum=0.0
     )
-    tool_call_parser: str | None = setting(
-        None, "Tool-call parser name (e.g. hermes; default: inferred from the chat template)."
+    tool_call_parser: ToolParserName | None = setting(
+        None, "Tool-call parser (default: the chat template's tool-call format)."
     )
-    enable_auto_tool_choice: bool = setting(
-        False, "Let the model decide to call tools (tool_choice=auto)."
+    enable_auto_tool_choice: bool | None = setting(
+        None,
+        "Let the model decide to call tools (tool_choice=auto). Default: on when the chat "
+        "template has a known tool-call format (or --tool-call-parser is given).",
     )
     enable_debug_endpoints: bool = setting(False, "Expose GET /debug/engine (engine stats).")
     uvicorn_log_level: LogLevel = setting("info", "Log level.")

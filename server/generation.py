@@ -112,6 +112,11 @@ def sampling_params(
     structured: StructuredOutputSpec | None = None,
 ) -> SamplingParams:
     """The engine's ``SamplingParams`` for ``body`` (400 naming a field it cannot take)."""
+    if body.prompt_logprobs is not None and body.stream:
+        # As vLLM: prompt logprobs come with the whole answer, not in a stream.
+        raise ApiError(
+            400, "prompt_logprobs is not available when stream is true", param="prompt_logprobs"
+        )
     params = SamplingParams(
         n=body.n,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -455,6 +460,10 @@ class ChoiceFormat(ABC):
     def final_choice(self, choice: ChoiceState) -> JsonObject:
         """A finished choice of the non-streamed answer."""
 
+    def final_fields(self) -> JsonObject:
+        """Top-level fields of the non-streamed answer beyond OpenAI's (vLLM extensions)."""
+        return {}
+
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> JsonObject:
     return {
@@ -597,4 +606,5 @@ class Generation:
             await self.close()
         body = self._envelope(fmt.object_name, [fmt.final_choice(c) for c in choices.values()])
         body["usage"] = self._usage(sum(c.num_tokens for c in choices.values()))
+        body.update(fmt.final_fields())
         return body

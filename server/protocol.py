@@ -170,6 +170,8 @@ class SamplingFields(OpenAIModel):
     latency_budget_ms: float | None = Field(default=None, gt=0.0)
     ttft_budget_ms: float | None = Field(default=None, gt=0.0)
     response_format: ResponseFormat | None = None
+    # vLLM extension: logprobs of every prompt token, with the top k alternatives.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
