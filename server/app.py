@@ -70,7 +70,8 @@ def build_app(
             logger.info("engine ready: %s", built.describe())
             state.engine = built
         except Exception as exc:
-            state.load_error = f"{type(exc).__name__}: {exc}"
+            # One line: the reason goes to /health, the log and the CLI's exit message.
+            state.load_error = " ".join(f"{type(exc).__name__}: {exc}".split())
             if on_load_failure is None:  # keep answering 503 with the reason
                 logger.exception("engine failed to load")
                 return

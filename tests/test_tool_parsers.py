@@ -239,13 +239,14 @@ def _tiny_backend() -> object:
 
 
 V11_TEXT = (
-    'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
-    "[TOOL_CALLS]now[CALL_ID]abc123[ARGS]{}"
+    'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[CALL_ID]abc123[ARGS]{}'
 )
 
 
 def test_mistral_v11_format() -> None:
-    expected = ParsedMessage("Sure.", [call(0, "get_weather", {"city": "Paris"}), call(1, "now", {})])
+    expected = ParsedMessage(
+        "Sure.", [call(0, "get_weather", {"city": "Paris"}), call(1, "now", {})]
+    )
     assert parse("mistral", V11_TEXT) == expected
     assert stream("mistral", list(V11_TEXT)) == expected
     # Not a function name, an undeclared function, or no [ARGS] before the JSON: content.

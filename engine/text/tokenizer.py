@@ -306,7 +306,16 @@ class Tokenizer:
             hf = _load_gguf_tokenizer(source, cache_dir)
             extra = _extra_eos_ids(source.parent)
         elif source.is_dir():
-            hf = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+            files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+            if not any((source / f).exists() for f in files):
+                raise ValueError(
+                    f"no tokenizer in {source} (no tokenizer.json or tokenizer_config.json); "
+                    "pass --tokenizer"
+                )
+            try:
+                hf = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+            except Exception as e:  # transformers raises several types, often multi-line
+                raise ValueError(f"cannot load the tokenizer in {source}: {e}") from e
             extra = _extra_eos_ids(source) | (
                 _extra_eos_ids(model_path) if model_path.is_dir() else set()
             )

@@ -203,8 +203,10 @@ class ChatFormat(ChoiceFormat):
         plan = self.plan
         if plan is not None and plan.parser is not None:
             parsed = plan.parser.parse(text, drop_incomplete=self._drop_incomplete(reason))
-            # A forced turn has no content (the grammar allows calls only).
-            message["content"] = (parsed.content or None) if plan.forced else parsed.content
+            # A forced turn has no content (the grammar allows calls only); nor has a
+            # cut-off turn whose only text was the dropped half call.
+            dropped = self._drop_incomplete(reason)
+            message["content"] = (parsed.content or None) if dropped else parsed.content
             calls = parsed.tool_calls
             if calls:
                 log_invalid_calls(calls, plan.tools)
