@@ -45,6 +45,7 @@ from server import __version__
 from server.errors import ApiError, api_error_body, error_from_exception, retry_after
 from server.metrics import Metrics
 from server.protocol import SamplingFields
+from server.schema_limits import check_schema_limits
 
 logger = logging.getLogger("fuel_serve.server")
 
@@ -99,6 +100,7 @@ def structured_from_response_format(body: SamplingFields) -> StructuredOutputSpe
         return StructuredOutputSpec(json_object=True)
     assert rf.json_schema is not None  # the model validator guarantees it
     schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+    check_schema_limits(schema, "response_format.json_schema.schema")
     return StructuredOutputSpec(json_schema=schema)
 
 

@@ -22,6 +22,7 @@ from engine.sampling.params import StructuredOutputSpec
 from server.config import ServerConfig, ToolParserName
 from server.errors import ApiError
 from server.protocol import ChatCompletionRequest
+from server.schema_limits import check_json_depth, check_schema_limits
 from server.tool_parsers import (
     StreamDelta,
     ToolCall,
@@ -80,6 +81,7 @@ def _check_tool_parameters(i: int, function: JsonObject) -> None:
     name = function["name"]
     if not isinstance(params, dict):
         raise ApiError(400, f"tool {name!r}: parameters must be a JSON Schema object", param=where)
+    check_schema_limits(params, where)  # before anything recursive reads it
     cls = jsonschema.validators.validator_for(params)
     try:
         cls.check_schema(params)
@@ -93,6 +95,7 @@ def _check_tool_parameters(i: int, function: JsonObject) -> None:
 
 
 def _check_tools(tools: Sequence[JsonObject]) -> None:
+    check_json_depth(list(tools), "tools")
     for i, tool in enumerate(tools):
         function = tool.get("function")
         if tool.get("type") != "function" or not isinstance(function, dict):
