@@ -33,7 +33,7 @@ def decode_cost(eng: LLMEngine, batch: int, steps: int, prompt_len: int) -> tupl
         )
     while any(
         r.num_computed_tokens < r.num_prompt_tokens
-        for r in eng.scheduler.running + eng.scheduler.waiting
+        for r in [*eng.scheduler.running, *eng.scheduler.waiting]
     ):
         eng.step()
     eng.step()

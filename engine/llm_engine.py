@@ -38,7 +38,7 @@ from engine.request import Request, RequestOptions, RequestStatus
 from engine.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
 from engine.sampling.sampler import GrammarMaskFn
-from engine.scheduler import ScheduledRequest, Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.stats import EngineStats
 from engine.text.tokenizer import Tokenizer
 from engine.trace import NullTraceRecorder, RequestTrace, TraceRecorder, TraceStore
@@ -413,11 +413,8 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------
     def step(self) -> list[tuple[GroupState, RequestOutput]]:
         sched = self.scheduler.schedule()
-        now = self.clock()
-        for r in sched.preempted:
-            self.tracer.on_preempted(r.request_id, now)
-        for s in sched.scheduled:
-            self.tracer.on_scheduled(s.req.request_id, now)
+        if self.tracer.enabled:
+            self._trace_schedule(sched, self.clock())
         if not sched.scheduled:
             self._refresh_stats()
             return []
@@ -439,6 +436,16 @@ class LLMEngine:
             for s in sched.scheduled
         )
 
+        outputs = self._process(sched, result, now)
+        if self.config.debug_invariants:
+            self.scheduler.check_invariants()
+        self._refresh_stats()
+        return outputs
+
+    def _process(
+        self, sched: SchedulerOutput, result: StepResult, now: float
+    ) -> list[tuple[GroupState, RequestOutput]]:
+        """Turn one step's sampled tokens into deltas; end the requests that stop."""
         per_group: dict[str, list[CompletionDelta]] = {}
         for s in sched.scheduled:
             req = s.req
@@ -446,8 +453,9 @@ class LLMEngine:
             if group is None:
                 continue
             plp = result.prompt_logprobs.get(req.request_id)
-            if plp and req.index == 0:
+            if plp:
                 group.prompt_logprobs.extend(plp)
+                req.num_prompt_logprobs += len(plp)
             sampled = result.sampled.get(req.request_id)
             if sampled is None:
                 continue
@@ -459,24 +467,13 @@ class LLMEngine:
             choice = group.choices[req.index]
             delta, status = process_token(choice, token, lp)
             if req.grammar is not None and status is None:
-                if not req.grammar.accept_token(token):
-                    # Cannot happen when the mask was applied; end rather than emit garbage.
-                    logger.error("grammar rejected sampled token %d for %s", token, req.request_id)
-                    status = RequestStatus.FINISHED_ERROR
-                elif req.grammar.is_terminated():
-                    status = RequestStatus.FINISHED_STOPPED
+                status = self._advance_grammar(req, token)
                 if status is not None:
                     tail, _ = finish_text(choice)
                     delta.delta_text += tail
                     delta.finish_reason = status.value
             if status is not None:
-                self.scheduler.finish(req, status)
-                self.tracer.on_finished(req.request_id, now, status.value)
-                self.tracer.on_content(
-                    req.request_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=req.output_token_ids,
-                )
+                self._finish(req, status, now)
             per_group.setdefault(req.group_id, []).append(delta)
 
         outputs = []
@@ -486,14 +483,38 @@ class LLMEngine:
             if group.finished:
                 del self.groups[gid]
             outputs.append((group, out))
-        if self.config.debug_invariants:
-            self.scheduler.check_invariants()
-        self._refresh_stats()
         return outputs
 
-    def _trace_step(self, sched: object, dt: float) -> None:
+    @staticmethod
+    def _advance_grammar(req: Request, token: int) -> RequestStatus | None:
+        """Feed ``token`` to the request's grammar; a status when that ends the request."""
+        assert req.grammar is not None
+        if not req.grammar.accept_token(token):
+            # Cannot happen when the mask was applied; end rather than emit garbage.
+            logger.error("grammar rejected sampled token %d for %s", token, req.request_id)
+            return RequestStatus.FINISHED_ERROR
+        if req.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        self.scheduler.finish(req, status)
+        self.tracer.on_finished(req.request_id, now, status.value)
+        self.tracer.on_content(
+            req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+        )
+
+    def _trace_schedule(self, sched: SchedulerOutput, now: float) -> None:
+        for r in sched.preempted:
+            self.tracer.on_preempted(r.request_id, now)
+        for s in sched.scheduled:
+            self.tracer.on_scheduled(s.req.request_id, now)
+
+    def _trace_step(self, sched: SchedulerOutput, dt: float) -> None:
         ms = dt * 1000.0
-        scheduled = sched.scheduled  # type: ignore[attr-defined]
+        scheduled = sched.scheduled
         for s in scheduled:
             rid = s.req.request_id
             if s.is_decode:
@@ -518,9 +539,11 @@ class LLMEngine:
                 return dataclasses.replace(trace, events=list(trace.events))
         return None
 
-    def _fail(self, scheduled: Sequence[object]) -> list[tuple[GroupState, RequestOutput]]:
+    def _fail(
+        self, scheduled: Sequence[ScheduledRequest]
+    ) -> list[tuple[GroupState, RequestOutput]]:
         outs = []
-        gids = {s.req.group_id for s in scheduled}  # type: ignore[attr-defined]
+        gids = {s.req.group_id for s in scheduled}
         for gid in gids:
             group = self.groups.get(gid)
             out = self.abort(gid, RequestStatus.FINISHED_ERROR)

@@ -84,6 +84,10 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    # Prompt positions 0..num_prompt_logprobs-1 have their logprobs computed and
+    # handed to the output (position 0 has none: nothing predicts it). Only the
+    # request that reports them (choice 0 of a group that asked) tracks this.
+    num_prompt_logprobs: int = 1
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # keys of the request's full blocks
     status: RequestStatus = RequestStatus.WAITING
@@ -116,6 +120,15 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for, reported by choice 0, and some are still missing."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.index == 0
+            and self.num_prompt_logprobs < self.num_prompt_tokens
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -72,8 +72,42 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled if not s.is_decode)
 
 
+class RequestSet:
+    """Requests in insertion order with O(1) add, discard and membership (by id).
+
+    The scheduler re-sorts by policy each step, so no order is kept beyond
+    insertion; what matters is that leaving a set never scans it.
+    """
+
+    def __init__(self) -> None:
+        self._reqs: dict[str, Request] = {}
+
+    def add(self, req: Request) -> None:
+        self._reqs[req.request_id] = req
+
+    def discard(self, req: Request) -> bool:
+        """Remove ``req`` if present; True when it was."""
+        return self._reqs.pop(req.request_id, None) is not None
+
+    def __contains__(self, req: Request) -> bool:
+        return self._reqs.get(req.request_id) is req
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._reqs.values())
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def sorted(self, key: Callable[[Request], tuple[float, ...]]) -> list[Request]:
+        return sorted(self._reqs.values(), key=key)
+
+
 class Scheduler:
-    """Owns the waiting and running sets and the KV manager's allocations."""
+    """Owns the waiting and running sets and the KV manager's allocations.
+
+    Policies (ordering, preemption victim, admission) and the latency
+    predictor are injected strategy objects; the defaults come from the config.
+    """
 
     def __init__(
         self,
@@ -84,6 +118,7 @@ class Scheduler:
         ordering: OrderingPolicy | None = None,
         preemption: PreemptionPolicy | None = None,
         admission: AdmissionPolicy | None = None,
+        predictor: LatencyPredictor | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -101,9 +136,9 @@ class Scheduler:
             kv_high_watermark=config.kv_pressure_watermark,
             max_preemptions_per_s=config.kv_pressure_preemptions_per_s,
         )
-        self.predictor = LatencyPredictor()
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
+        self.predictor = predictor or LatencyPredictor()
+        self.waiting = RequestSet()
+        self.running = RequestSet()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.rejections: dict[str, int] = {}
@@ -158,7 +193,7 @@ class Scheduler:
                 self.rejections[reason] = self.rejections.get(reason, 0) + 1
                 raise RequestRejectedError(message, reason=reason, retry_after=retry_after)
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        self.waiting.add(req)
         self.requests[req.request_id] = req
         p = state.predictor
         self.predictions[req.request_id] = LatencyPrediction(
@@ -173,11 +208,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
-        key = lambda r: self.ordering.key(r, now)  # noqa: E731
-        self.running.sort(key=key)
+        order = self.running.sorted(lambda r: self.ordering.key(r, now))
         scheduled_ids: set[str] = set()
 
-        for req in list(self.running):
+        for req in order:
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
@@ -195,7 +229,9 @@ class Scheduler:
                 # alone in its step (vLLM requires budget >= max_model_len instead).
                 num_new = budget if chunked else num_new
             while not self.kv.allocate_slots(req, num_new):
-                candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+                candidates = [
+                    r for r in order if r.request_id not in scheduled_ids and r in self.running
+                ]
                 victim = self.preemption.pick_victim(candidates, req, self.ordering, now)
                 self._preempt(victim, out)
                 if victim is req:
@@ -214,59 +250,50 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Admit waiting requests in policy order while budget, slots and blocks last.
+
+        The choices 1..n-1 of an n > 1 request wait (with prefix caching on)
+        until choice 0 has computed the shared prompt; they then find its full
+        blocks in the prefix cache like any other hit, and compute only the
+        partial tail. With prefix caching off each choice computes its prompt.
+        """
         chunked = self.config.enable_chunked_prefill
-        self.waiting.sort(key=lambda r: self.ordering.key(r, now))
-        admitted: list[Request] = []
-        for req in self.waiting:
+        for req in self.waiting.sorted(lambda r: self.ordering.key(r, now)):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             src = req.prefix_source
             if (
-                src is not None
+                self.kv.enable_prefix_caching
+                and src is not None
                 and not src.is_finished
                 and src.num_computed_tokens < src.num_prompt_tokens
             ):
                 continue  # wait until the first choice has computed the shared prompt
-            cached = []
-            share_blocks = 0
-            if src is not None and not src.is_finished and req.num_computed_tokens == 0:
-                share_blocks = min((req.num_tokens - 1) // self.kv.block_size, len(src.block_ids))
-            if share_blocks == 0:
-                cached = self.kv.find_cached_prefix(req)
-            hit = (share_blocks or len(cached)) * self.kv.block_size
+            cached = self.kv.find_cached_prefix(req)
+            hit = len(cached) * self.kv.block_size
             num_new = req.num_tokens - req.num_computed_tokens - hit
             if num_new > budget:
-                if not chunked and (out.scheduled or admitted):
+                if not chunked and out.scheduled:
                     break
                 num_new = budget if chunked else num_new
-            if share_blocks:
-                if not self.kv.can_allocate(req, share_blocks * self.kv.block_size + num_new):
-                    break
-                self.kv.share_prefix(src, req, share_blocks)  # type: ignore[arg-type]
-                ok = self.kv.allocate_slots(req, num_new)
-            else:
-                ok = self.kv.allocate_slots(req, num_new, cached)
-            if not ok:
+            if not self.kv.allocate_slots(req, num_new, cached):
                 break
             if req.metrics.first_scheduled_time is None:
                 self.kv.record_prefix_query(req, hit)
                 req.num_cached_tokens = hit
             req.status = RequestStatus.RUNNING
-            admitted.append(req)
-            self.running.append(req)
+            self.waiting.discard(req)
+            self.running.add(req)
             out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
             budget -= num_new
-        if admitted:
-            gone = {r.request_id for r in admitted}
-            self.waiting = [r for r in self.waiting if r.request_id not in gone]
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        self.running.remove(victim)
+        self.running.discard(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.metrics.num_preemptions += 1
-        self.waiting.append(victim)
+        self.waiting.add(victim)
         self.num_preemptions += 1
         self._preemption_times.append(self.clock())
         out.preempted.append(victim)
@@ -281,10 +308,8 @@ class Scheduler:
         """End ``req`` (any way it ends) and give back all its blocks."""
         if req.is_finished:
             return
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        self.running.discard(req)
+        self.waiting.discard(req)
         req.status = status
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
@@ -307,7 +332,7 @@ class Scheduler:
     def check_invariants(self) -> None:
         self.kv.pool.check_invariants()
         held = 0
-        for req in self.running + self.waiting:
+        for req in [*self.running, *self.waiting]:
             self.kv.check_request(req)
             held += len(req.block_ids)
         refs = sum(b.ref_count for b in self.kv.pool.blocks)

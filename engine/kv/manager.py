@@ -65,6 +65,12 @@ class KVCacheManager:
             return []
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
+        if req.wants_prompt_logprobs:
+            # The logprob of prompt token p comes from the hidden state at p - 1,
+            # which a hit does not compute: a request that still needs prompt
+            # logprobs may skip only positions whose logprobs it already has
+            # (all of them after a preemption; none on its first admission).
+            max_blocks = min(max_blocks, (req.num_prompt_logprobs - 1) // bs)
         self._update_hashes(req, max_blocks * bs)
         hits: list[KVBlock] = []
         for i in range(max_blocks):
@@ -110,18 +116,6 @@ class KVCacheManager:
         while len(req.block_ids) < need:
             req.block_ids.append(self.pool.allocate().block_id)
         return True
-
-    def share_prefix(self, src: Request, dst: Request, num_blocks: int) -> None:
-        """Give ``dst`` (nothing computed) references to ``src``'s first full blocks.
-
-        Used for the choices of an n > 1 request: they share the prompt's
-        blocks; only the partial tail is recomputed by each choice.
-        """
-        assert dst.num_computed_tokens == 0 and not dst.block_ids
-        for bid in src.block_ids[:num_blocks]:
-            self.pool.touch(self.pool.blocks[bid])
-            dst.block_ids.append(bid)
-        dst.num_computed_tokens = num_blocks * self.block_size
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Register ``req``'s full, computed blocks in the prefix cache."""

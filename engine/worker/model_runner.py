@@ -155,7 +155,7 @@ class ModelRunner:
                 sample_rows.append(end - 1)
                 sample_reqs.append(s.req)
             plp = s.req.params.prompt_logprobs
-            if plp is not None and s.start < s.req.num_prompt_tokens:
+            if plp is not None and s.req.wants_prompt_logprobs:
                 result.prompt_logprobs[s.req.request_id] = self._prompt_logprobs(
                     hidden, meta.query_start_loc_cpu[i], s, plp
                 )
@@ -172,15 +172,21 @@ class ModelRunner:
     def _prompt_logprobs(
         self, hidden: torch.Tensor, row0: int, s: ScheduledRequest, k: int
     ) -> list[PositionLogprobs]:
-        """Logprobs of prompt tokens ``start+1 .. `` predicted by this chunk's rows."""
-        last_prompt = s.req.num_prompt_tokens - 1
-        n = min(s.num_new_tokens, last_prompt - s.start)
+        """Logprobs of the prompt tokens this chunk's rows predict that the request lacks.
+
+        Row ``j`` of the chunk (position ``start + j``) predicts prompt token
+        ``start + j + 1``; positions below ``req.num_prompt_logprobs`` are
+        already reported (a recompute after preemption) and are skipped.
+        """
+        req = s.req
+        first = max(s.start + 1, req.num_prompt_logprobs)  # first prompt position to report
+        end = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1) + 1
+        n = end - first
         if n <= 0:
             return []
-        logp = torch.log_softmax(self.model.compute_logits(hidden[row0 : row0 + n]).float(), dim=-1)
-        targets = torch.tensor(
-            s.req.prompt_token_ids[s.start + 1 : s.start + 1 + n], device=logp.device
-        )
+        r0 = row0 + (first - 1 - s.start)
+        logp = torch.log_softmax(self.model.compute_logits(hidden[r0 : r0 + n]).float(), dim=-1)
+        targets = torch.tensor(req.prompt_token_ids[first : first + n], device=logp.device)
         chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
         tops_v: list[list[float]] = [[] for _ in range(n)]
         tops_i: list[list[int]] = [[] for _ in range(n)]
