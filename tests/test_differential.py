@@ -160,9 +160,7 @@ AXES: dict[str, Axis] = {
         lambda m, make, ref: run_warm_cache(make, list(m.cases), prompt_logprobs=True)
     ),
     "preempt": Axis(
-        lambda m, make, ref: run_together(
-            make, list(m.cases), check=_preempted, **m.preempt
-        )
+        lambda m, make, ref: run_together(make, list(m.cases), check=_preempted, **m.preempt)
     ),
     "n4": Axis(lambda m, make, ref: run_together(make, list(m.cases), n=4)),
     "torch_attention": Axis(
