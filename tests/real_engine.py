@@ -65,6 +65,8 @@ class SharedEngine:
     def __init__(self, engine: AsyncEngine) -> None:
         self.inner = engine
         self._started = False
+        # What the server asked of the engine, so tests can check the mapping.
+        self.calls: list[tuple[list[int], SamplingParams, str, RequestOptions | None]] = []
 
     @property
     def tokenizer(self) -> ClientTokenizer:
@@ -104,6 +106,7 @@ class SharedEngine:
         request_id: str,
         options: RequestOptions | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        self.calls.append((list(prompt_token_ids), params, request_id, options))
         return self.inner.generate(prompt_token_ids, params, request_id, options)
 
     async def abort(self, request_id: str) -> None:
