@@ -243,4 +243,22 @@ def test_forced_tool_call_errors(compiler: GrammarCompiler) -> None:
     with pytest.raises(InvalidRequestError):
         compiler.build_tool_call_spec([], "required")
     with pytest.raises(InvalidRequestError):
-        compiler.build_tool_call_spec(TOOLS, "required", parser="mistral")
+        compiler.build_tool_call_spec(TOOLS, "required", tool_format="nope")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("tool_format", "parser"),
+    [("llama3_json", "llama3_json"), ("mistral", "mistral"), ("mistral_v11", "mistral")],
+)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_tool_calls_every_format(
+    compiler: GrammarCompiler, tokenizer: Any, tool_format: Any, parser: str, parallel: bool
+) -> None:
+    """Whatever the grammar lets a model generate, the format's parser reads as calls only."""
+    spec = compiler.build_tool_call_spec(TOOLS, "required", tool_format, parallel)
+    for seed in range(2):
+        text = random_walk(compiler.new_state(spec), tokenizer, random.Random(seed), 600)
+        parsed = get_tool_parser(parser, TOOLS).parse(text)
+        assert not (parsed.content or "").strip(), text
+        assert 1 <= len(parsed.tool_calls) <= (8 if parallel else 1), text
+        assert validate_tool_calls(parsed.tool_calls, TOOLS) == []
