@@ -274,28 +274,35 @@ def test_exactly_one_call_is_the_grammars_doing(
     if isinstance(choice, dict):
         assert call["function"]["name"] == "get_time"
     if stream:
-        body = {
-            "messages": WEATHER_Q,
-            "tools": TOOLS,
-            "tool_choice": choice,
-            "parallel_tool_calls": False,
-            "max_tokens": 230,
-            "seed": 7,
-            "stream": True,
-        }
-        with client.stream("POST", CHAT, json=body) as r:
-            events = sse("".join(r.iter_text()))
-        names, args, content, finish = [], "", "", None
-        for ev in events:
-            assert_schema(ev, "CreateChatCompletionStreamResponse")
-            for ch in ev["choices"]:
-                content += ch["delta"].get("content") or ""
-                for tc in ch["delta"].get("tool_calls") or []:
-                    names += [tc["function"]["name"]] if "name" in tc["function"] else []
-                    args += tc["function"].get("arguments", "")
-                finish = ch["finish_reason"] or finish
-        assert content == "" and finish == "tool_calls"
-        assert names == [call["function"]["name"]] and args == call["function"]["arguments"]
+        assert _streamed_calls(client, choice, seed=7) == _returned([call])
+
+
+def _streamed_calls(client: TestClient, choice: Any, seed: int) -> list[tuple[str, str]]:
+    """The same forced request streamed: the calls its deltas assemble to (no content)."""
+    body = {
+        "messages": WEATHER_Q,
+        "tools": TOOLS,
+        "tool_choice": choice,
+        "parallel_tool_calls": False,
+        "max_tokens": 230,
+        "seed": seed,
+        "stream": True,
+    }
+    with client.stream("POST", CHAT, json=body) as r:
+        events = sse("".join(r.iter_text()))
+    calls: list[list[str]] = []
+    content, finish = "", None
+    for ev in events:
+        assert_schema(ev, "CreateChatCompletionStreamResponse")
+        for ch in ev["choices"]:
+            content += ch["delta"].get("content") or ""
+            for tc in ch["delta"].get("tool_calls") or []:
+                if "name" in tc["function"]:
+                    calls.append([tc["function"]["name"], ""])
+                calls[tc["index"]][1] += tc["function"].get("arguments", "")
+            finish = ch["finish_reason"] or finish
+    assert content == "" and finish == "tool_calls"
+    return [(name, args) for name, args in calls]
 
 
 def test_forced_call_cut_by_max_tokens_says_length_without_half_a_call(
@@ -319,6 +326,7 @@ def test_every_parser_supports_forced_calls(shared: SharedEngine, parser: str) -
             assert ch["finish_reason"] == "tool_calls", ch
             (call,) = ch["message"]["tool_calls"]
             assert _parsed_raw(answer, parser) == _returned([call])
+            assert _streamed_calls(c, choice, seed=11) == _returned([call])
 
 
 def test_auto_tool_choice_on_by_default(client: TestClient) -> None:
