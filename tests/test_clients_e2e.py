@@ -162,6 +162,7 @@ def _evaluate(url: str, tasks: Path, tokenizer: Path) -> tuple[float, list[float
     return acc, lls
 
 
+@pytest.mark.timeout(1800)  # two evaluations and a second server start on a loaded CI box
 def test_lm_eval_loglikelihood_equal_with_and_without_prefix_cache(
     base: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

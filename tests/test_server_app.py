@@ -11,10 +11,8 @@ demand are in tests/test_server_faults.py.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +20,7 @@ from fastapi.testclient import TestClient
 
 from server.app import build_app
 from server.config import ServerConfig
-from tests.real_engine import MAX_LEN, SharedEngine, exact_engine, tiny_server_checkpoint
+from tests.real_engine import MAX_LEN, SharedEngine
 from tests.server_fakes import assert_completion_schema, assert_schema
 
 CHAT = "/v1/chat/completions"
@@ -31,11 +29,8 @@ NAME = "tiny"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedEngine]:
-    model_dir: Path = tiny_server_checkpoint(tmp_path_factory.mktemp("tiny-app"))
-    shared = SharedEngine(exact_engine(model_dir))
-    yield shared
-    asyncio.run(shared.inner.shutdown())
+def engine(tiny_server_engine: SharedEngine) -> SharedEngine:
+    return tiny_server_engine
 
 
 def make_client(engine: SharedEngine, **cfg: Any) -> TestClient:

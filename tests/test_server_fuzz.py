@@ -9,10 +9,8 @@ a 4xx in OpenAI's error envelope; and the server stays healthy after each.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +20,7 @@ from hypothesis import strategies as st
 
 from server.app import build_app
 from server.config import ServerConfig
-from tests.real_engine import SharedEngine, exact_engine, tiny_server_checkpoint
+from tests.real_engine import SharedEngine
 from tests.server_fakes import assert_completion_schema, assert_schema
 
 CHAT = "/v1/chat/completions"
@@ -30,12 +28,10 @@ COMP = "/v1/completions"
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    model_dir: Path = tiny_server_checkpoint(tmp_path_factory.mktemp("fuzz"))
-    engine = SharedEngine(exact_engine(model_dir))
-    with TestClient(build_app(engine, ServerConfig()), raise_server_exceptions=False) as c:
+def client(tiny_server_engine: SharedEngine) -> Iterator[TestClient]:
+    app = build_app(tiny_server_engine, ServerConfig())
+    with TestClient(app, raise_server_exceptions=False) as c:
         yield c
-    asyncio.run(engine.inner.shutdown())
 
 
 numbers = st.one_of(

@@ -10,7 +10,6 @@ only for faults a real engine cannot produce on demand.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from engine.client import EngineClient
 from server.app import build_app
 from server.config import ServerConfig
 from server.tool_parsers import get_tool_parser
-from tests.real_engine import Reference, SharedEngine, exact_engine, tiny_server_checkpoint
+from tests.real_engine import Reference, SharedEngine
 from tests.server_fakes import OPENAPI_PATH, assert_completion_schema, assert_schema
 
 CHAT = "/v1/chat/completions"
@@ -33,15 +32,13 @@ TOL = 2e-4  # logprobs: float32 engine vs float32 transformers, different kernel
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_server_checkpoint(tmp_path_factory.mktemp("tiny-server"))
+def model_dir(tiny_server_dir: Path) -> Path:
+    return tiny_server_dir
 
 
 @pytest.fixture(scope="module")
-def shared(model_dir: Path) -> Iterator[SharedEngine]:
-    engine = SharedEngine(exact_engine(model_dir))
-    yield engine
-    asyncio.run(engine.inner.shutdown())
+def shared(tiny_server_engine: SharedEngine) -> SharedEngine:
+    return tiny_server_engine
 
 
 @pytest.fixture(scope="module")

@@ -20,17 +20,12 @@ from fastapi.testclient import TestClient
 from server.app import build_app
 from server.config import ServerConfig
 from server.traces import engine_id_candidates
-from tests.real_engine import SharedEngine, exact_engine, tiny_server_checkpoint
+from tests.real_engine import SharedEngine, exact_engine
 from tests.server_fakes import assert_schema
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MARKER = "zebra-quokka-7731"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_server_checkpoint(tmp_path_factory.mktemp("tiny-traces"))
 
 
 def _engine(model_dir: Path, **kw: Any) -> Iterator[SharedEngine]:
@@ -40,18 +35,18 @@ def _engine(model_dir: Path, **kw: Any) -> Iterator[SharedEngine]:
 
 
 @pytest.fixture(scope="module")
-def traced(model_dir: Path) -> Iterator[SharedEngine]:
-    yield from _engine(model_dir, enable_request_traces=True)
+def traced(tiny_server_engine: SharedEngine) -> SharedEngine:
+    return tiny_server_engine  # the shared engine records traces
 
 
 @pytest.fixture(scope="module")
-def traced_with_prompts(model_dir: Path) -> Iterator[SharedEngine]:
-    yield from _engine(model_dir, enable_request_traces=True, log_prompts=True)
+def traced_with_prompts(tiny_server_dir: Path) -> Iterator[SharedEngine]:
+    yield from _engine(tiny_server_dir, enable_request_traces=True, log_prompts=True)
 
 
 @pytest.fixture(scope="module")
-def untraced(model_dir: Path) -> Iterator[SharedEngine]:
-    yield from _engine(model_dir)
+def untraced(tiny_server_dir: Path) -> Iterator[SharedEngine]:
+    yield from _engine(tiny_server_dir)
 
 
 def client_of(engine: SharedEngine) -> TestClient:
@@ -93,9 +88,12 @@ def test_chat_trace_by_response_id(traced: SharedEngine) -> None:
         engine_id = traced.calls[-1][2]
         # The response id is the engine id behind the OpenAI prefix.
         assert reply["id"] == f"chatcmpl-{engine_id}" and trace["request_id"] == engine_id
-        kinds = [e["kind"] for e in trace["events"] if e["kind"] != "kv_blocks"]
-        # A short fresh prompt: one prefill chunk (which samples token 1), then 3 decodes.
+        kinds = [e["kind"] for e in trace["events"] if e["kind"] not in ("kv_blocks", "prefix_hit")]
+        # A short prompt: one prefill chunk (which samples token 1), then 3 decodes.
         assert kinds == ["queue_wait", "prefill_chunk"] + ["decode_step"] * 3 + ["finished"]
+        # The shared engine may hold the template's opening in its prefix cache.
+        hits = [e["num_tokens"] for e in trace["events"] if e["kind"] == "prefix_hit"]
+        assert sum(hits) == reply["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert trace["finished"] and trace["timings"]["consistent"]
         # Metadata only without log_prompts: no content keys at all.
         assert MARKER not in r.text

@@ -116,6 +116,8 @@ class MarkedBlockStreamParser(ToolStreamParser):
         return None if call is None else [call]
 
     def _advance(self, final: bool) -> None:
+        # Over 80 lines on purpose: one loop over the states of one machine, a branch
+        # per state, reads better in one place than split across helpers.
         buf = self._buf
         while True:
             if self._state == _CONTENT:
