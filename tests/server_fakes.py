@@ -211,7 +211,14 @@ def invalid() -> InvalidRequestError:
     return InvalidRequestError("bad stop token", param="stop_token_ids", code="invalid_value")
 
 
-OPENAPI_PATH = Path(__file__).parent / "data" / "openai_openapi.yaml"
+# OpenAI's published document: shared/openai/openapi.yaml beside the repository when
+# it is there (as on CI), else the copy in tests/data (the same file).
+_SHARED_OPENAPI = Path(__file__).resolve().parents[2] / "shared" / "openai" / "openapi.yaml"
+OPENAPI_PATH = (
+    _SHARED_OPENAPI
+    if _SHARED_OPENAPI.exists()
+    else Path(__file__).parent / "data" / "openai_openapi.yaml"
+)
 
 
 def _honour_nullable(check: Any) -> Any:

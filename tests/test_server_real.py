@@ -436,3 +436,12 @@ def test_every_request_field_is_honoured_or_refused_by_name(
             assert r.status_code == 400, (name, r.text)
             err = r.json()["error"]
             assert err["param"] == name and name in err["message"], (name, err)
+
+
+def test_the_schema_copy_is_the_published_document() -> None:
+    """tests/data's copy must be OpenAI's document as shared (when shared/ is beside us)."""
+    copy = Path(__file__).parent / "data" / "openai_openapi.yaml"
+    shared_doc = Path(__file__).resolve().parents[2] / "shared" / "openai" / "openapi.yaml"
+    if not shared_doc.exists():
+        pytest.skip("shared/openai/openapi.yaml is not beside this checkout")
+    assert copy.read_bytes() == shared_doc.read_bytes()
