@@ -27,7 +27,7 @@ from engine.outputs import RequestOutput
 from engine.request import RequestOptions
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
 from engine.stats import EngineStats, MoeLayerStats
-from engine.text.tokenizer import SAFE_TEMPLATE_KWARGS
+from engine.text.tokenizer import SAFE_TEMPLATE_KWARGS, ToolCallFormat
 from engine.trace import RequestTrace, review_for_publication, summarize_timings
 
 # JSON as it crosses the seam (chat messages, tool definitions, schemas, response
@@ -51,6 +51,7 @@ __all__ = [
     "JsonValue",
     "MoeLayerStats",
     "RequestTrace",
+    "ToolCallFormat",
     "review_for_publication",
     "summarize_timings",
 ]
@@ -71,6 +72,11 @@ class ClientTokenizer(Protocol):
 
     @property
     def chat_template(self) -> str | None: ...
+
+    @property
+    def tool_call_format(self) -> ToolCallFormat | None:
+        """The tool-call format prompts rendered with ``tools`` ask for (None: unknown)."""
+        ...
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
 
@@ -156,10 +162,10 @@ class EngineClient(Protocol):
         self,
         tools: Sequence[Mapping[str, JsonValue]],
         tool_choice: ForcedToolChoice,
-        parser: str,
+        tool_format: ToolCallFormat,
         parallel_tool_calls: bool,
     ) -> StructuredOutputSpec:
-        """A grammar spec that forces tool calls in the ``parser`` format.
+        """A grammar spec that forces tool calls in ``tool_format``, then ends the turn.
 
         Raises ``engine.errors.InvalidRequestError`` (with ``param``) when the
         choice, the format or a tool's schema cannot be enforced.

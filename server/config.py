@@ -19,6 +19,8 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 # vllm-router's --policy choices for plain (not prefill/decode) routing; kv_aware
 # needs KV events, which Fuel Serve does not publish yet.
 RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "consistent_hash", "random"]
+# The shipped tool-call parsers (server/tool_parsers/), named as vLLM names them.
+ToolParserName = Literal["hermes", "llama3_json", "mistral"]
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerConfig", "parse_bytes"]
 
@@ -47,11 +49,13 @@ class ServerConfig:
     shutdown_timeout: float = setting(
         30.0, "Seconds in-flight requests get on SIGTERM.", minimum=0.0
     )
-    tool_call_parser: str | None = setting(
-        None, "Tool-call parser name (e.g. hermes; default: inferred from the chat template)."
+    tool_call_parser: ToolParserName | None = setting(
+        None, "Tool-call parser (default: the chat template's tool-call format)."
     )
-    enable_auto_tool_choice: bool = setting(
-        False, "Let the model decide to call tools (tool_choice=auto)."
+    enable_auto_tool_choice: bool | None = setting(
+        None,
+        "Let the model decide to call tools (tool_choice=auto). Default: on when the chat "
+        "template has a known tool-call format (or --tool-call-parser is given).",
     )
     enable_debug_endpoints: bool = setting(False, "Expose GET /debug/engine (engine stats).")
     uvicorn_log_level: LogLevel = setting("info", "Log level.")

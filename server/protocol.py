@@ -15,6 +15,7 @@ that names it (``return_hidden_states``, ``include_reasoning: false``).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -35,6 +36,46 @@ class OpenAIModel(BaseModel):
     """Base for request models: unknown fields and NaN/Infinity are rejected."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def _find_surrogate(data: Any) -> str | None:
+    """The path of the first string holding a lone surrogate (iterative), or None.
+
+    JSON's ``\\ud800`` escapes decode to such strings, which no tokenizer can
+    encode and no UTF-8 response can carry.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE_RE.search(node):
+                return path or "<body>"
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if isinstance(key, str) and _SURROGATE_RE.search(key):
+                    return path or "<body>"
+                stack.append((f"{path}.{key}" if path else str(key), value))
+        elif isinstance(node, list):
+            stack.extend((f"{path}.{i}", value) for i, value in enumerate(node))
+    return None
+
+
+class RequestBody(OpenAIModel):
+    """A whole request body: also refuses strings that are not valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _find_surrogate(data)
+        if where is not None:
+            raise ValueError(
+                f"{where}: strings must be valid Unicode (a lone surrogate escape "
+                "such as \\ud800 is not)"
+            )
+        return data
 
 
 # ---------------------------------------------------------------------------
@@ -149,7 +190,7 @@ class ResponseFormat(OpenAIModel):
 # ---------------------------------------------------------------------------
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestBody):
     """Fields chat and completions share (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
@@ -201,6 +242,9 @@ class SamplingFields(OpenAIModel):
         if self.no_stop_trim:
             self.include_stop_str_in_output = True
         return self
+
+    # vLLM extension: logprobs of every prompt token, with the top k alternatives.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -361,7 +405,7 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     """vLLM's ``POST /tokenize``: exactly one of ``prompt`` or ``messages``."""
 
     model: str | None = None
@@ -388,6 +432,6 @@ class TokenizeRequest(OpenAIModel):
         return self
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]

@@ -437,7 +437,11 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for file in _safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as e:  # SafetensorError, OSError: say which file is broken
+            raise ValueError(f"cannot read weights {file}: {type(e).__name__}: {e}") from e
+        with handle as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import jinja2.meta
@@ -37,6 +37,10 @@ import jinja2.sandbox
 import tokenizers
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Tool-call formats (the names of vLLM's parsers; mistral_v11 is Mistral's
+# ``[TOOL_CALLS]name[ARGS]{...}`` format from tokenizer v11 on).
+ToolCallFormat = Literal["hermes", "llama3_json", "mistral", "mistral_v11"]
 
 # Extra variables a request may pass to the chat template (``chat_template_kwargs``).
 # Everything else is refused: variables such as ``messages``, ``tools``,
@@ -302,7 +306,16 @@ class Tokenizer:
             hf = _load_gguf_tokenizer(source, cache_dir)
             extra = _extra_eos_ids(source.parent)
         elif source.is_dir():
-            hf = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+            files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+            if not any((source / f).exists() for f in files):
+                raise ValueError(
+                    f"no tokenizer in {source} (no tokenizer.json or tokenizer_config.json); "
+                    "pass --tokenizer"
+                )
+            try:
+                hf = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+            except Exception as e:  # transformers raises several types, often multi-line
+                raise ValueError(f"cannot load the tokenizer in {source}: {e}") from e
             extra = _extra_eos_ids(source) | (
                 _extra_eos_ids(model_path) if model_path.is_dir() else set()
             )
@@ -343,6 +356,35 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._chat_template
+
+    @property
+    def tool_call_format(self) -> ToolCallFormat | None:
+        """The tool-call format a prompt rendered with ``tools`` asks the model for.
+
+        ``hermes`` when the template does not read ``tools``: the renderer then
+        puts :data:`DEFAULT_TOOL_SYSTEM_PROMPT` (``<tool_call>`` blocks) in the
+        system message. For a template that renders tools itself, the format
+        its text names: ``mistral_v11`` (``[TOOL_CALLS]name[ARGS]{...}``),
+        ``mistral`` (``[TOOL_CALLS][{...}]``), ``llama3_json``
+        (``<|python_tag|>`` / ``ipython``) or ``hermes`` (``<tool_call>``);
+        None when it names none of them, or there is no template.
+        """
+        source = self._chat_template
+        if source is None:
+            return None
+        try:
+            renders_tools = self._template_uses_tools(source)
+        except ValueError:  # an invalid template: chat requests fail anyway
+            return None
+        if not renders_tools:
+            return "hermes"
+        if "[TOOL_CALLS]" in source:
+            return "mistral_v11" if "[ARGS]" in source else "mistral"
+        if "<|python_tag|>" in source or "ipython" in source:
+            return "llama3_json"
+        if "<tool_call>" in source:
+            return "hermes"
+        return None
 
     def override_chat_template(self, template: str) -> None:
         """Use ``template`` (Jinja text) instead of the model's own (``--chat-template``)."""
