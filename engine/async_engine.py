@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from engine.client import EngineClient, ForcedToolChoice, JsonValue
+from engine.client import EngineClient, ForcedToolChoice, JsonValue, ToolCallFormat
 from engine.config import EngineConfig
 from engine.errors import EngineUnavailableError
 from engine.llm_engine import LLMEngine
@@ -211,12 +211,12 @@ class AsyncEngine:
         self,
         tools: Sequence[Mapping[str, JsonValue]],
         tool_choice: ForcedToolChoice,
-        parser: str,
+        tool_format: ToolCallFormat,
         parallel_tool_calls: bool,
     ) -> StructuredOutputSpec:
         # The compiler is thread safe (built once under a lock), so no engine-thread hop.
         return self.engine.grammar.build_tool_call_spec(
-            tools, tool_choice, parser, parallel_tool_calls=parallel_tool_calls
+            tools, tool_choice, tool_format, parallel_tool_calls=parallel_tool_calls
         )
 
     async def get_trace(self, request_ids: Sequence[str]) -> RequestTrace | None:

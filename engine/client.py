@@ -3,7 +3,8 @@
 The engine's public surface, for the server and any other front end, is:
 
 * this module (``EngineClient``, ``ClientTokenizer``, the JSON types of the seam,
-  and re-exports of what the client returns: ``EngineStats``, ``RequestTrace``
+  and re-exports of what the client returns: ``EngineStats`` (with its
+  ``MoeLayerStats``), ``RequestTrace``
   with its helpers, ``SAFE_TEMPLATE_KWARGS``);
 * ``engine.request.RequestOptions`` (per-request options beyond sampling);
 * ``engine.sampling.params`` (``SamplingParams``, ``StructuredOutputSpec``);
@@ -25,8 +26,8 @@ from typing import Literal, Protocol, TypeAlias, runtime_checkable
 from engine.outputs import RequestOutput
 from engine.request import RequestOptions
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
-from engine.stats import EngineStats
-from engine.text.tokenizer import SAFE_TEMPLATE_KWARGS
+from engine.stats import EngineStats, MoeLayerStats
+from engine.text.tokenizer import SAFE_TEMPLATE_KWARGS, ToolCallFormat
 from engine.trace import RequestTrace, review_for_publication, summarize_timings
 
 # JSON as it crosses the seam (chat messages, tool definitions, schemas, response
@@ -48,7 +49,9 @@ __all__ = [
     "ForcedToolChoice",
     "JsonObject",
     "JsonValue",
+    "MoeLayerStats",
     "RequestTrace",
+    "ToolCallFormat",
     "review_for_publication",
     "summarize_timings",
 ]
@@ -59,7 +62,9 @@ class ClientTokenizer(Protocol):
 
     ``encode`` never turns special-token strings in user text into control
     tokens; ``apply_chat_template`` renders in a sandbox and raises
-    ``ValueError`` on any template error (bad roles or order: the request's fault).
+    ``ValueError`` on any template error (bad roles or order: the request's fault);
+    with ``continue_final_message`` the rendered text ends right after the final
+    message's content (no end of turn), for the model to continue it.
     """
 
     @property
@@ -67,6 +72,11 @@ class ClientTokenizer(Protocol):
 
     @property
     def chat_template(self) -> str | None: ...
+
+    @property
+    def tool_call_format(self) -> ToolCallFormat | None:
+        """The tool-call format prompts rendered with ``tools`` ask for (None: unknown)."""
+        ...
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
 
@@ -88,6 +98,7 @@ class ClientTokenizer(Protocol):
         tools: list[JsonObject] | None = None,
         chat_template: str | None = None,
         template_kwargs: JsonObject | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]: ...
 
 
@@ -157,10 +168,10 @@ class EngineClient(Protocol):
         self,
         tools: Sequence[Mapping[str, JsonValue]],
         tool_choice: ForcedToolChoice,
-        parser: str,
+        tool_format: ToolCallFormat,
         parallel_tool_calls: bool,
     ) -> StructuredOutputSpec:
-        """A grammar spec that forces tool calls in the ``parser`` format.
+        """A grammar spec that forces tool calls in ``tool_format``, then ends the turn.
 
         Raises ``engine.errors.InvalidRequestError`` (with ``param``) when the
         choice, the format or a tool's schema cannot be enforced.

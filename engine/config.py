@@ -107,6 +107,13 @@ class EngineConfig:
         "native call (same values as per_layer, much less overhead); per_layer: the model's "
         "layer-by-layer forward. fused fails at start-up where the model cannot use it.",
     )
+    moe_capacity_factor: float | None = setting(
+        None,
+        "Mixture-of-Experts models: each expert takes at most ceil(F * tokens * k / experts) "
+        "token slots per step; overflow goes to the token's next-best expert with room, else "
+        "passes through on the residual (default: no limit, exact routing).",
+        minimum=0.01,
+    )
     debug_invariants: bool = setting(False, "Check scheduler/KV invariants every step (slow).")
     max_logprobs: int = setting(20, "Largest logprobs/top_logprobs accepted.", minimum=0)
     enable_request_traces: bool = setting(False, "Record per-request traces.")

@@ -31,6 +31,7 @@ from engine.models.loader import (
     load_model_config,
     resolve_model_path,
 )
+from engine.models.moe import MoeForCausalLM
 from engine.models.native_step import NativeDecodeStep
 from engine.models.ops import NativeCpuModelOps
 from engine.output_processor import (
@@ -177,6 +178,10 @@ class LLMEngine:
                 f"--max-model-len {max_len} exceeds what the model supports ({supported} tokens: "
                 "max_position_embeddings, capped by a sliding window the backends do not implement)"
             )
+        if config.moe_capacity_factor is not None and not mc.is_moe:
+            raise ValueError(
+                f"--moe-capacity-factor needs a Mixture-of-Experts model; {mc.architecture} is dense"
+            )
         backend = get_attention_backend(config.attention_backend, device)
         # Any: the model class comes from the registry (LlamaForCausalLM-like).
         model: Any = load_model(path, mc, backend, dtype, device)
@@ -207,6 +212,7 @@ class LLMEngine:
             config.block_size,
             device,
             kv_dtype,
+            config.moe_capacity_factor,
         )
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(max_len)
@@ -281,6 +287,7 @@ class LLMEngine:
             cfg.block_size,
             device,
             dtype,
+            cfg.moe_capacity_factor,
         )
         batch = []
         next_block = 0
@@ -505,7 +512,7 @@ class LLMEngine:
         self.scheduler.update_after_step(sched)
         now = self.clock()
         if self.tracer.enabled:
-            self._trace_step(sched, dt)
+            self._trace_step(sched, dt, result)
         self.stats.num_steps += 1
         self.stats.prompt_tokens += sum(
             min(s.num_new_tokens, max(s.req.num_prompt_tokens - s.start, 0))
@@ -588,7 +595,7 @@ class LLMEngine:
         for s in sched.scheduled:
             self.tracer.on_scheduled(s.req.request_id, now)
 
-    def _trace_step(self, sched: SchedulerOutput, dt: float) -> None:
+    def _trace_step(self, sched: SchedulerOutput, dt: float, result: StepResult) -> None:
         ms = dt * 1000.0
         scheduled = sched.scheduled
         for s in scheduled:
@@ -600,6 +607,9 @@ class LLMEngine:
                     self.tracer.on_prefix_hit(rid, s.req.num_cached_tokens)
                 self.tracer.on_prefill_chunk(rid, s.num_new_tokens, s.start, ms)
             self.tracer.on_blocks(rid, len(s.req.block_ids))
+            capacity = result.moe_capacity.get(rid)
+            if capacity is not None:
+                self.tracer.on_moe_capacity(rid, *capacity)
 
     def get_trace(self, request_ids: Sequence[str]) -> RequestTrace | None:
         """A copy of the first stored trace among ``request_ids`` (None if tracing is off).
@@ -646,6 +656,8 @@ class LLMEngine:
         s.predictor_samples = errors.samples
         s.predictor_mean_abs_rel_error = errors.mean_abs_rel_error
         s.predictor_mean_rel_error = errors.mean_rel_error
+        if isinstance(self.model, MoeForCausalLM):
+            s.moe_layers = self.model.routing_stats()
 
 
 __all__ = ["EngineInfo", "LLMEngine", "StepResult"]

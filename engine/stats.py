@@ -9,6 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class MoeLayerStats:
+    """Routing totals of one Mixture-of-Experts layer since start (counters).
+
+    ``expert_tokens[e]``: token slots expert ``e`` computed (each token counts
+    once per expert it was routed to); ``rerouted_tokens``: slots a capacity
+    limit moved to an expert outside the token's top-k; ``dropped_tokens``:
+    slots that found no expert with room and passed through on the residual.
+    """
+
+    layer: int
+    expert_tokens: tuple[int, ...]
+    rerouted_tokens: int = 0
+    dropped_tokens: int = 0
+
+
 @dataclass
 class EngineStats:
     # Gauges (state after the last step).
@@ -35,3 +51,6 @@ class EngineStats:
     predictor_mean_rel_error: float = 0.0  # signed: > 0 means predictions too long
     spec_decode_draft_tokens: int = 0
     spec_decode_accepted_tokens: int = 0
+    # Mixture-of-Experts routing per MoE layer (empty for dense models); immutable
+    # snapshots, replaced after each step.
+    moe_layers: tuple[MoeLayerStats, ...] = ()

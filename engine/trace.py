@@ -2,7 +2,8 @@
 
 A trace tells one request's story as the engine saw it: how long it waited,
 each prefill chunk (tokens, offset, ms), each decode step (ms, batch size),
-KV blocks held, prefix-cache hits, preemptions and how it finished. Units are
+KV blocks held, prefix-cache hits, preemptions, token slots an MoE expert
+capacity rerouted or dropped, and how it finished. Units are
 in the field names (``_ms``, ``_s``, ``num_``); times are ``time.monotonic``.
 
 Privacy: by default a trace holds metadata only. Prompt/output text, token ids
@@ -87,7 +88,26 @@ class Finished:
     reason: str
 
 
-TraceEvent = QueueWait | PrefillChunk | DecodeStep | KvBlocks | PrefixHit | Preempted | Finished
+@dataclass(frozen=True)
+class MoeCapacity:
+    """Mixture-of-Experts capacity in one step: the request's token slots (summed over
+    layers) moved to an expert outside their top-k, and dropped (residual only)."""
+
+    kind: ClassVar[str] = "moe_capacity"
+    num_rerouted: int
+    num_dropped: int
+
+
+TraceEvent = (
+    QueueWait
+    | PrefillChunk
+    | DecodeStep
+    | KvBlocks
+    | PrefixHit
+    | Preempted
+    | Finished
+    | MoeCapacity
+)
 
 
 @dataclass
@@ -250,6 +270,10 @@ class TraceRecorder:
         """``tokens`` prompt tokens were served from the prefix cache."""
         self.store.append(req_id, PrefixHit(num_tokens=tokens))
 
+    def on_moe_capacity(self, req_id: str, num_rerouted: int, num_dropped: int) -> None:
+        """An MoE capacity limit rerouted / dropped some of the request's slots this step."""
+        self.store.append(req_id, MoeCapacity(num_rerouted=num_rerouted, num_dropped=num_dropped))
+
     def on_preempted(self, req_id: str, t: float) -> None:
         """Preempted at ``t``: the request waits again from ``t``."""
         trace = self.store.append(req_id, Preempted(at_s=t))
@@ -322,6 +346,9 @@ class NullTraceRecorder(TraceRecorder):
         return None
 
     def on_prefix_hit(self, req_id: str, tokens: int) -> None:
+        return None
+
+    def on_moe_capacity(self, req_id: str, num_rerouted: int, num_dropped: int) -> None:
         return None
 
     def on_preempted(self, req_id: str, t: float) -> None:

@@ -89,7 +89,7 @@ class Bench:
 
     def __init__(self, opts: BenchOptions) -> None:
         opts.base_url = check_loopback_url(opts.base_url)
-        if opts.workload == "multi-turn" and opts.endpoint != "chat":
+        if opts.workload in ("multi-turn", "conversations") and opts.endpoint != "chat":
             # The completions endpoint has no roles; a transcript would be a different workload.
             raise ValueError("the multi-turn workload needs --endpoint chat")
         self.opts = opts

@@ -20,7 +20,14 @@ from typing import Any, Protocol
 
 from loadtest.client import RequestSpec
 
-WORKLOADS: tuple[str, ...] = ("random", "questions", "shared-prefix", "multi-turn", "long-prompt")
+WORKLOADS: tuple[str, ...] = (
+    "random",
+    "questions",
+    "shared-prefix",
+    "multi-turn",
+    "conversations",
+    "long-prompt",
+)
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Follow-ups for the multi-turn workload: they only make sense with the
@@ -228,6 +235,21 @@ def multi_turn_sessions(n_requests: int, opts: WorkloadOptions) -> list[Session]
     return firsts
 
 
+def conversation_sessions(n_requests: int, opts: WorkloadOptions) -> list[Session]:
+    """``multi-turn`` conversations that all open with the bundled system prompt.
+
+    Two kinds of shared prefix at once: the system prompt, common to every
+    conversation, and each conversation's own history, which only its later
+    turns share. A router that keeps a conversation where its history is cached
+    (prefix affinity) hits both; one that spreads turns hits the first only.
+    """
+    sessions = multi_turn_sessions(n_requests, opts)
+    system = load_system_prompt()
+    for s in sessions:
+        s.system = system
+    return sessions
+
+
 def long_prompt_sessions(n: int, opts: WorkloadOptions, tok: Tokenizer) -> list[Session]:
     """Prompts of about ``input_len`` tokens of real text, then a question about them.
 
@@ -275,6 +297,8 @@ def build_sessions(
         return question_sessions(n_requests, opts, system=load_system_prompt())
     if name == "multi-turn":
         return multi_turn_sessions(n_requests, opts)
+    if name == "conversations":
+        return conversation_sessions(n_requests, opts)
     if name == "random":
         return random_sessions(n_requests, opts, tokenizer)
     if name == "long-prompt":

@@ -32,7 +32,7 @@ from server.errors import (
 )
 from server.metrics import Metrics
 from server.middleware import FrontDoorMiddleware, FrontDoorState
-from server.routes import chat, completions, health, models, traces
+from server.routes import chat, completions, health, models, router_api, traces
 from server.state import AppState
 
 logger = logging.getLogger("fuel_serve.server")
@@ -43,12 +43,16 @@ def build_app(
     server_config: ServerConfig,
     *,
     engine_factory: Callable[[], EngineClient] | None = None,
+    on_load_failure: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """Build the app around ``engine`` (started in the lifespan).
 
     With ``engine=None`` and an ``engine_factory``, the engine is built in a
     worker thread after the server starts listening, and ``/health`` answers
     503 until it is ready (so orchestrators see "loading", not "down").
+    If building or starting the engine fails, ``on_load_failure(reason)`` is
+    called with one line saying why (the CLI then exits non-zero); without it
+    the app logs the traceback and keeps answering 503 with the reason.
     """
     if engine is None and engine_factory is None:
         raise ValueError("build_app needs an engine or an engine_factory")
@@ -65,9 +69,14 @@ def build_app(
             state.metrics = Metrics(state.served_names(built)[0])
             logger.info("engine ready: %s", built.describe())
             state.engine = built
-        except Exception as exc:  # the server keeps answering 503 with the reason
-            logger.exception("engine failed to load")
-            state.load_error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:
+            # One line: the reason goes to /health, the log and the CLI's exit message.
+            state.load_error = " ".join(f"{type(exc).__name__}: {exc}".split())
+            if on_load_failure is None:  # keep answering 503 with the reason
+                logger.exception("engine failed to load")
+                return
+            logger.debug("engine failed to load", exc_info=True)
+            on_load_failure(state.load_error)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -95,7 +104,7 @@ def build_app(
         retry_after_draining_s=server_config.retry_after_draining_s,
     )
     _install_error_handlers(app, state)
-    for module in (chat, completions, models, health, traces):
+    for module in (chat, completions, models, health, traces, router_api):
         app.include_router(module.router)
     if server_config.enable_debug_endpoints:
         app.include_router(health.debug_router)

@@ -4,6 +4,12 @@ Precedence: CLI flag > ``--config FILE.yaml`` > ``configs/default.yaml`` > datac
 defaults. Every ``EngineConfig`` and ``ServerConfig`` field is reachable.
 SIGTERM drains: ``/health`` turns 503, new requests get 503 + Retry-After,
 in-flight requests finish (up to ``--shutdown-timeout`` s), then exit 0.
+``--data-parallel-size N`` (N > 1) runs N replicas behind vllm-router instead
+(server/data_parallel.py).
+
+A model that cannot be loaded (unsupported, missing or corrupt files, a KV
+cache that does not fit) stops the server at once: exit status 1, and the
+last line on stderr says why.
 """
 
 from __future__ import annotations
@@ -192,11 +198,16 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings = resolve_settings(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    settings = resolve_settings(args)
     engine_cfg, server_cfg = build_configs(settings)
     from server.logging_setup import configure_logging
 
     configure_logging(server_cfg.log_json, server_cfg.uvicorn_log_level, engine_cfg.log_prompts)
+    if server_cfg.data_parallel_size > 1:
+        from server.data_parallel import run_data_parallel
+
+        return run_data_parallel(args, server_cfg, engine_cfg.num_threads)
     from engine.async_engine import AsyncEngine  # heavy import: after argument errors
     from server.app import build_app
 
@@ -208,7 +219,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         server_cfg.host,
         server_cfg.port,
     )
-    app = build_app(None, server_cfg, engine_factory=lambda: AsyncEngine(engine_cfg))
+    failures: list[str] = []
+
+    def load_failed(reason: str) -> None:
+        # A model that cannot load must not leave a server answering 503 forever:
+        # stop at once; main() exits non-zero with the reason as one line.
+        failures.append(reason)
+        server.should_exit = True
+
+    app = build_app(
+        None,
+        server_cfg,
+        engine_factory=lambda: AsyncEngine(engine_cfg),
+        on_load_failure=load_failed,
+    )
     config = uvicorn.Config(
         app,
         host=server_cfg.host,
@@ -219,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     server = DrainingServer(config, app.state.fuel.front, server_cfg.shutdown_timeout)
     server.run()
+    if failures:
+        sys.stderr.write(f"fuel-serve: error: the model could not be loaded: {failures[0]}\n")
+        return 1
     return 0 if server.started else 1
 
 

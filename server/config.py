@@ -16,6 +16,11 @@ from engine.settings import parse_bytes, setting, validate_fields
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+# vllm-router's --policy choices for plain (not prefill/decode) routing; kv_aware
+# needs KV events, which Fuel Serve does not publish yet.
+RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "consistent_hash", "random"]
+# The shipped tool-call parsers (server/tool_parsers/), named as vLLM names them.
+ToolParserName = Literal["hermes", "llama3_json", "mistral"]
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerConfig", "parse_bytes"]
 
@@ -44,17 +49,40 @@ class ServerConfig:
     shutdown_timeout: float = setting(
         30.0, "Seconds in-flight requests get on SIGTERM.", minimum=0.0
     )
-    tool_call_parser: str | None = setting(
-        None, "Tool-call parser name (e.g. hermes; default: inferred from the chat template)."
+    tool_call_parser: ToolParserName | None = setting(
+        None, "Tool-call parser (default: the chat template's tool-call format)."
     )
-    enable_auto_tool_choice: bool = setting(
-        False, "Let the model decide to call tools (tool_choice=auto)."
+    enable_auto_tool_choice: bool | None = setting(
+        None,
+        "Let the model decide to call tools (tool_choice=auto). Default: on when the chat "
+        "template has a known tool-call format (or --tool-call-parser is given).",
     )
     enable_debug_endpoints: bool = setting(False, "Expose GET /debug/engine (engine stats).")
     uvicorn_log_level: LogLevel = setting("info", "Log level.")
     log_json: bool = setting(False, "Log one JSON object per line.")
     retry_after_draining_s: float = setting(
         5.0, "Retry-After sent with 503s while draining.", minimum=0.0
+    )
+    # Data parallelism on one host (server/data_parallel.py): N replicas behind vllm-router.
+    data_parallel_size: int = setting(
+        1,
+        "Replicas of this server to run on this host behind vllm-router, which takes "
+        "--host:--port (1: serve directly, no router).",
+        minimum=1,
+        maximum=64,
+    )
+    data_parallel_ports: list[int] = setting(
+        help="Replica ports with --data-parallel-size N (default: --port+1 ... --port+N).",
+        default_factory=list,
+    )
+    router_policy: RouterPolicy = setting(
+        "cache_aware", "vllm-router's routing policy in front of the replicas."
+    )
+    router_executable: str = setting(
+        "vllm-router", "The router program (PyPI vllm-router==0.1.17) started in front."
+    )
+    router_metrics_port: int = setting(
+        29000, "Port of the router's own Prometheus metrics (on --host).", minimum=1, maximum=65535
     )
 
     def __post_init__(self) -> None:

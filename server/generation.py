@@ -45,6 +45,7 @@ from server import __version__
 from server.errors import ApiError, api_error_body, error_from_exception, retry_after
 from server.metrics import Metrics
 from server.protocol import SamplingFields
+from server.schema_limits import check_schema_limits
 
 logger = logging.getLogger("fuel_serve.server")
 
@@ -99,6 +100,7 @@ def structured_from_response_format(body: SamplingFields) -> StructuredOutputSpe
         return StructuredOutputSpec(json_object=True)
     assert rf.json_schema is not None  # the model validator guarantees it
     schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+    check_schema_limits(schema, "response_format.json_schema.schema")
     return StructuredOutputSpec(json_schema=schema)
 
 
@@ -112,6 +114,11 @@ def sampling_params(
     structured: StructuredOutputSpec | None = None,
 ) -> SamplingParams:
     """The engine's ``SamplingParams`` for ``body`` (400 naming a field it cannot take)."""
+    if body.prompt_logprobs is not None and body.stream:
+        # As vLLM: prompt logprobs come with the whole answer, not in a stream.
+        raise ApiError(
+            400, "prompt_logprobs is not available when stream is true", param="prompt_logprobs"
+        )
     params = SamplingParams(
         n=body.n,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -455,6 +462,10 @@ class ChoiceFormat(ABC):
     def final_choice(self, choice: ChoiceState) -> JsonObject:
         """A finished choice of the non-streamed answer."""
 
+    def final_fields(self) -> JsonObject:
+        """Top-level fields of the non-streamed answer beyond OpenAI's (vLLM extensions)."""
+        return {}
+
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> JsonObject:
     return {
@@ -597,4 +608,5 @@ class Generation:
             await self.close()
         body = self._envelope(fmt.object_name, [fmt.final_choice(c) for c in choices.values()])
         body["usage"] = self._usage(sum(c.num_tokens for c in choices.values()))
+        body.update(fmt.final_fields())
         return body

@@ -98,3 +98,33 @@ def merge_completion_logprobs(parts: Sequence[JsonObject]) -> JsonObject:
             assert isinstance(values, list)
             column.extend(values)
     return dict(merged)
+
+
+def prompt_logprobs_json(
+    tok: ClientTokenizer,
+    prompt_ids: Sequence[int],
+    positions: Sequence[PositionLogprobs | None],
+    top_k: int,
+) -> list[JsonValue]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None (the first) or
+    ``{token id: {logprob, rank, decoded_token}}`` for the prompt token and its top k.
+
+    ``rank`` (1 = most likely) is known for the top-k alternatives; for a
+    prompt token outside them it is None (the engine reports no full rank).
+    """
+    out: list[JsonValue] = []
+    for _, pos in zip(prompt_ids, positions):
+        if pos is None:
+            out.append(None)
+            continue
+        entry: JsonObject = {}
+        top = pos.top[:top_k]
+        ranks = {alt.token_id: r for r, alt in enumerate(top, start=1)}
+        for item in (pos.chosen, *top):
+            entry[str(item.token_id)] = {
+                "logprob": _clamp(item.logprob),
+                "rank": ranks.get(item.token_id),
+                "decoded_token": tok.token_to_text(item.token_id),
+            }
+        out.append(entry)
+    return out

@@ -22,7 +22,7 @@ from itertools import pairwise
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.client import EngineStats
+from engine.client import EngineStats, MoeLayerStats
 from engine.outputs import RequestMetrics
 
 # vLLM v1's bucket boundaries (vllm/v1/metrics/loggers.py), kept as-is so that
@@ -261,6 +261,36 @@ class Metrics:
             "Finished requests scored against their admission-time latency prediction.",
         )
 
+        # Mixture-of-Experts routing, per MoE layer (bounded by the model's depth:
+        # per-expert series would be layers x experts, so load is one gauge per layer).
+        moe_labels = [*labels, "layer"]
+        self._moe_routed = Counter(
+            "fuel:moe_routed_tokens",
+            "Token slots computed by routed experts (a token counts once per expert), by layer.",
+            moe_labels,
+            registry=reg,
+        )
+        self._moe_rerouted = Counter(
+            "fuel:moe_rerouted_tokens",
+            "Token slots the expert capacity moved outside the token's top-k, by layer.",
+            moe_labels,
+            registry=reg,
+        )
+        self._moe_dropped = Counter(
+            "fuel:moe_dropped_tokens",
+            "Token slots the expert capacity dropped (residual only), by layer.",
+            moe_labels,
+            registry=reg,
+        )
+        self._moe_imbalance = Gauge(
+            "fuel:moe_expert_load_imbalance",
+            "Max over mean token slots per expert since the previous scrape, by layer "
+            "(1: balanced; the number of experts: one expert took everything).",
+            moe_labels,
+            registry=reg,
+        )
+        self._last_moe: dict[int, MoeLayerStats] = {}
+
         # Rejections by reason: engine-side (from EngineStats), server-side
         # (observe_rejection) and what fuel:admission_rejections_total shows.
         self._engine_rejections: dict[str, int] = {}
@@ -320,6 +350,7 @@ class Metrics:
             per_step = (d_prompt + d_gen) / d_steps
             for _ in range(d_steps):
                 self.iteration_tokens.observe(per_step)
+        self._update_moe(stats.moe_layers)
 
         # Copy: the engine may keep mutating the object it handed us.
         self._last = EngineStats(
@@ -334,6 +365,30 @@ class Metrics:
             spec_decode_draft_tokens=stats.spec_decode_draft_tokens,
             spec_decode_accepted_tokens=stats.spec_decode_accepted_tokens,
         )
+
+    def _update_moe(self, layers: Sequence[MoeLayerStats]) -> None:
+        """Advance the MoE counters by the delta per layer; the imbalance gauge covers
+        the slots routed since the previous call (unchanged when none were)."""
+        for layer in layers:
+            last = self._last_moe.get(layer.layer)
+            prev = last.expert_tokens if last is not None else (0,) * len(layer.expert_tokens)
+            if len(prev) != len(layer.expert_tokens) or any(
+                a < b for a, b in zip(layer.expert_tokens, prev)
+            ):
+                prev = (0,) * len(layer.expert_tokens)  # engine restarted: count from zero
+            delta = [a - b for a, b in zip(layer.expert_tokens, prev)]
+            values = (*self._label_values, str(layer.layer))
+            self._moe_routed.labels(*values).inc(sum(delta))
+            self._moe_rerouted.labels(*values).inc(
+                _delta(layer.rerouted_tokens, last.rerouted_tokens if last else 0)
+            )
+            self._moe_dropped.labels(*values).inc(
+                _delta(layer.dropped_tokens, last.dropped_tokens if last else 0)
+            )
+            total = sum(delta)
+            if total > 0:
+                self._moe_imbalance.labels(*values).set(max(delta) * len(delta) / total)
+            self._last_moe[layer.layer] = layer
 
     def observe_finished(
         self,

@@ -24,8 +24,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-# Paths that stay reachable without a key / while draining.
-_UNAUTHENTICATED_PATHS = frozenset({"/health"})
+# Paths that stay reachable without a key / while draining. Routers poll
+# /get_load without credentials (server/routes/router_api.py).
+_UNAUTHENTICATED_PATHS = frozenset({"/health", "/get_load"})
 _DRAIN_EXEMPT_PATHS = frozenset({"/health", "/metrics", "/version", "/debug/engine"})
 
 

@@ -37,8 +37,12 @@ async def render_chat(
     add_generation_prompt: bool,
     kwargs: JsonObject | None,
     tools: list[JsonObject] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
-    """The chat template applied to ``messages`` (and ``tools``), as token ids."""
+    """The chat template applied to ``messages`` (and ``tools``), as token ids.
+
+    ``continue_final_message``: the final (assistant) message is left open for the
+    model to continue (vLLM's meaning; see ``ClientTokenizer.apply_chat_template``)."""
 
     def run() -> list[int]:
         return list(
@@ -47,6 +51,7 @@ async def render_chat(
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
                 template_kwargs=kwargs,
+                continue_final_message=continue_final_message,
             )
         )
 

@@ -4,10 +4,18 @@ Contract: every request model forbids unknown fields (``extra="forbid"``) and
 non-finite floats, so a field Fuel Serve cannot honour (image parts, ``audio``,
 ``modalities``, legacy ``functions``...) is a 400 that names it, never silently
 dropped. Limits that are Fuel Serve's choice (not OpenAI's) are constants here.
+
+Routers (vllm-router, sglang-router) re-serialise every body with SGLang-style
+extension fields set to their *neutral* values (``no_stop_trim: false``,
+``return_hidden_states: false``, ``separate_reasoning: true``, ...). The rule
+for such a known extension: its neutral value is accepted; any other value is
+honoured (``no_stop_trim``, ``continue_final_message``) or refused with a 400
+that names it (``return_hidden_states``, ``include_reasoning: false``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -28,6 +36,46 @@ class OpenAIModel(BaseModel):
     """Base for request models: unknown fields and NaN/Infinity are rejected."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def _find_surrogate(data: Any) -> str | None:
+    """The path of the first string holding a lone surrogate (iterative), or None.
+
+    JSON's ``\\ud800`` escapes decode to such strings, which no tokenizer can
+    encode and no UTF-8 response can carry.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE_RE.search(node):
+                return path or "<body>"
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if isinstance(key, str) and _SURROGATE_RE.search(key):
+                    return path or "<body>"
+                stack.append((f"{path}.{key}" if path else str(key), value))
+        elif isinstance(node, list):
+            stack.extend((f"{path}.{i}", value) for i, value in enumerate(node))
+    return None
+
+
+class RequestBody(OpenAIModel):
+    """A whole request body: also refuses strings that are not valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _find_surrogate(data)
+        if where is not None:
+            raise ValueError(
+                f"{where}: strings must be valid Unicode (a lone surrogate escape "
+                "such as \\ud800 is not)"
+            )
+        return data
 
 
 # ---------------------------------------------------------------------------
@@ -77,6 +125,9 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # Our responses carry ``refusal: null`` (as OpenAI's do), and clients send the
+    # assistant message back as they got it; only that null is accepted.
+    refusal: None = None
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> ChatMessage:
@@ -139,7 +190,7 @@ class ResponseFormat(OpenAIModel):
 # ---------------------------------------------------------------------------
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestBody):
     """Fields chat and completions share (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
@@ -170,6 +221,30 @@ class SamplingFields(OpenAIModel):
     latency_budget_ms: float | None = Field(default=None, gt=0.0)
     ttft_budget_ms: float | None = Field(default=None, gt=0.0)
     response_format: ResponseFormat | None = None
+    # SGLang extensions routers send at their neutral values (module docstring).
+    # no_stop_trim is SGLang's name for include_stop_str_in_output (folded into it below).
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+
+    @field_validator("return_hidden_states")
+    @classmethod
+    def _no_hidden_states(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "true is not supported: Fuel Serve does not return hidden states "
+                "(only false, the default, is accepted)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _fold_no_stop_trim(self) -> SamplingFields:
+        # Either name asks for the same thing: keep the matched stop string in the text.
+        if self.no_stop_trim:
+            self.include_stop_str_in_output = True
+        return self
+
+    # vLLM extension: logprobs of every prompt token, with the top k alternatives.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -219,6 +294,28 @@ class SamplingFields(OpenAIModel):
         return self
 
 
+def check_continue_final_message(
+    continue_final_message: bool, add_generation_prompt: bool, messages: list[ChatMessage]
+) -> None:
+    """vLLM's rules: the final message is continued (the template's end-of-turn after
+    it is cut, no new generation prompt), so it must be the assistant's and
+    ``add_generation_prompt`` must be false. Raises ValueError naming the field."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise ValueError(
+            "Cannot set both continue_final_message and add_generation_prompt to true: "
+            "send add_generation_prompt: false to continue the final message"
+        )
+    if messages[-1].role != "assistant":
+        raise ValueError(
+            "continue_final_message needs the last message to be the assistant's "
+            f"(it is {messages[-1].role!r})"
+        )
+    if not messages[-1].text().strip():
+        raise ValueError("continue_final_message needs a final assistant message with content")
+
+
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions`` body."""
 
@@ -232,12 +329,39 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM extensions.
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     echo: bool = False
+    # Reasoning extensions (SGLang's separate_reasoning / stream_reasoning, vLLM's
+    # include_reasoning) that routers send at their neutral values. No reasoning
+    # parser runs here, so reasoning text is never split out of ``content``:
+    # separate_reasoning and stream_reasoning (how a split-out reasoning_content
+    # is sent) change nothing, either value is what we do; include_reasoning: false
+    # (drop the reasoning) cannot be honoured and is refused.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
+
+    @field_validator("include_reasoning")
+    @classmethod
+    def _keep_reasoning(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError(
+                "false is not supported: no reasoning parser runs, so reasoning text "
+                "cannot be told apart from the answer and dropped"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_continue_final_message(self) -> ChatCompletionRequest:
+        check_continue_final_message(
+            self.continue_final_message, self.add_generation_prompt, self.messages
+        )
         return self
 
     def output_budget(self) -> int | None:
@@ -281,7 +405,7 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     """vLLM's ``POST /tokenize``: exactly one of ``prompt`` or ``messages``."""
 
     model: str | None = None
@@ -289,6 +413,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -298,9 +423,15 @@ class TokenizeRequest(OpenAIModel):
             raise ValueError("give exactly one of prompt or messages")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        if self.messages is None and self.continue_final_message:
+            raise ValueError("continue_final_message applies to messages, not to a prompt")
+        if self.messages is not None:
+            check_continue_final_message(
+                self.continue_final_message, self.add_generation_prompt, self.messages
+            )
         return self
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]

@@ -17,11 +17,12 @@ import jsonschema
 import jsonschema.exceptions
 import jsonschema.validators
 
-from engine.client import EngineClient, ForcedToolChoice, JsonObject
+from engine.client import EngineClient, ForcedToolChoice, JsonObject, ToolCallFormat
 from engine.sampling.params import StructuredOutputSpec
-from server.config import ServerConfig
+from server.config import ServerConfig, ToolParserName
 from server.errors import ApiError
 from server.protocol import ChatCompletionRequest
+from server.schema_limits import check_json_depth, check_schema_limits
 from server.tool_parsers import (
     StreamDelta,
     ToolCall,
@@ -29,7 +30,6 @@ from server.tool_parsers import (
     ToolParser,
     assemble,
     get_tool_parser,
-    infer_tool_parser,
     validate_tool_calls,
 )
 
@@ -41,13 +41,31 @@ class ToolPlan:
     """How one chat request uses tools: what the template sees, how output is parsed.
 
     ``parser`` None: tools are not offered (``tool_choice: "none"``).
-    ``structured``: a grammar forcing the call (``"required"`` or a named function).
+    ``structured``: a grammar forcing the calls (``"required"`` or a named function);
+    then ``forced`` is true and nothing but calls can be generated.
     """
 
     tools: list[JsonObject]
     parser: ToolParser | None = None
     structured: StructuredOutputSpec | None = None
-    parallel: bool = True
+    forced: bool = False
+
+
+# Which parser reads which format, and the format a parser's forced calls take
+# when the chat template names none of its own.
+_PARSER_OF_FORMAT: dict[ToolCallFormat, ToolParserName] = {
+    "hermes": "hermes",
+    "llama3_json": "llama3_json",
+    "mistral": "mistral",
+    "mistral_v11": "mistral",
+}
+
+
+def _tool_format(parser: ToolParserName, template_format: ToolCallFormat | None) -> ToolCallFormat:
+    """The format forced calls are generated in: the template's when the parser reads it."""
+    if template_format is not None and _PARSER_OF_FORMAT[template_format] == parser:
+        return template_format
+    return parser
 
 
 def _check_tool_parameters(i: int, function: JsonObject) -> None:
@@ -63,6 +81,7 @@ def _check_tool_parameters(i: int, function: JsonObject) -> None:
     name = function["name"]
     if not isinstance(params, dict):
         raise ApiError(400, f"tool {name!r}: parameters must be a JSON Schema object", param=where)
+    check_schema_limits(params, where)  # before anything recursive reads it
     cls = jsonschema.validators.validator_for(params)
     try:
         cls.check_schema(params)
@@ -76,6 +95,7 @@ def _check_tool_parameters(i: int, function: JsonObject) -> None:
 
 
 def _check_tools(tools: Sequence[JsonObject]) -> None:
+    check_json_depth(list(tools), "tools")
     for i, tool in enumerate(tools):
         function = tool.get("function")
         if tool.get("type") != "function" or not isinstance(function, dict):
@@ -90,9 +110,12 @@ def resolve_tool_calling(
 ) -> ToolPlan | None:
     """Validate ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and plan tool use.
 
-    ``auto`` needs ``--enable-auto-tool-choice`` (as in vLLM); the parser is
-    ``--tool-call-parser`` or inferred from the chat template. ``required`` and a
-    named function are enforced by a grammar (``EngineClient.tool_call_spec``).
+    The parser is ``--tool-call-parser`` or the one for the chat template's
+    tool-call format (``ClientTokenizer.tool_call_format``); ``auto`` is on when
+    a parser is known, unless ``--no-enable-auto-tool-choice``. ``required`` and
+    a named function are enforced by a grammar (``EngineClient.tool_call_spec``):
+    1..8 calls (exactly one for a named function or ``parallel_tool_calls:
+    false``), then the end of the turn.
     """
     if not body.tools:
         if body.tool_choice not in (None, "none"):
@@ -106,20 +129,24 @@ def resolve_tool_calling(
         return ToolPlan(tools=[])  # the model must not call tools: do not offer them
     if isinstance(choice, str) and choice not in ("auto", "required"):
         raise ApiError(400, f"unknown tool_choice {choice!r}", param="tool_choice")
-    if choice == "auto" and not (config.enable_auto_tool_choice and config.tool_call_parser):
+    template_format = engine.tokenizer.tool_call_format
+    parser_name = config.tool_call_parser or (
+        _PARSER_OF_FORMAT[template_format] if template_format is not None else None
+    )
+    if choice == "auto":
+        _check_auto_enabled(config, parser_name)
+    if parser_name is None:
         raise ApiError(
             400,
-            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-            "to be set",
-            param="tool_choice",
+            "the model's chat template names no known tool-call format: "
+            "start the server with --tool-call-parser",
+            param="tools",
         )
-    parser_name = config.tool_call_parser or infer_tool_parser(engine.tokenizer.chat_template)
     try:
         parser = get_tool_parser(parser_name, body.tools)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="tools") from None
-    parallel = body.parallel_tool_calls is not False
-    plan = ToolPlan(tools=list(body.tools), parser=parser, parallel=parallel)
+    plan = ToolPlan(tools=list(body.tools), parser=parser)
     if choice == "auto":
         return plan
     if body.response_format is not None and body.response_format.type != "text":
@@ -131,8 +158,31 @@ def resolve_tool_calling(
     # A string here can only be "required" (auto returned, unknown strings refused).
     forced: ForcedToolChoice = "required" if isinstance(choice, str) else choice
     # InvalidRequestError (a choice or schema the grammar cannot enforce) is a 400.
-    plan.structured = engine.tool_call_spec(body.tools, forced, parser_name, parallel)
+    plan.structured = engine.tool_call_spec(
+        body.tools,
+        forced,
+        _tool_format(parser_name, template_format),
+        body.parallel_tool_calls is not False,
+    )
+    plan.forced = True
     return plan
+
+
+def _check_auto_enabled(config: ServerConfig, parser_name: ToolParserName | None) -> None:
+    """``auto`` is on by default when the format is known; ``--no-enable-auto-tool-choice`` off."""
+    if config.enable_auto_tool_choice is False:
+        raise ApiError(
+            400,
+            '"auto" tool choice is disabled on this server (--no-enable-auto-tool-choice)',
+            param="tool_choice",
+        )
+    if parser_name is None:
+        raise ApiError(
+            400,
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+            "to be set (the model's chat template names no known tool-call format)",
+            param="tool_choice",
+        )
 
 
 def log_invalid_calls(calls: Sequence[ToolCall], tools: Sequence[JsonObject]) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,3 +36,21 @@ def hf_gguf_model() -> object:
     )
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def tiny_server_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny full-vocabulary checkpoint of tests/real_engine.py, written once."""
+    from tests.real_engine import tiny_server_checkpoint
+
+    return tiny_server_checkpoint(tmp_path_factory.mktemp("tiny-server"))
+
+
+@pytest.fixture(scope="session")
+def tiny_server_engine(tiny_server_dir: Path) -> Iterator[Any]:
+    """One exact-mode engine (traces on) lent to every fast server test module."""
+    from tests.real_engine import SharedEngine, exact_engine
+
+    shared = SharedEngine(exact_engine(tiny_server_dir, enable_request_traces=True))
+    yield shared
+    asyncio.run(shared.inner.shutdown())

@@ -8,6 +8,7 @@ logits are O(1) and a numerical mismatch cannot hide under tiny values.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,22 @@ _TINY_COMMON: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+# Mixture-of-experts families (engine/models/moe.py): 4-8 experts of width 32, top-2.
+TINY_MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def tiny_hf_config(arch: str, **overrides: Any) -> Any:
     """A transformers config for a tiny model of ``arch`` (one of ``TINY_ARCHS``)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     kw: dict[str, Any] = dict(_TINY_COMMON)
     if arch == "llama":
@@ -62,8 +74,32 @@ def tiny_hf_config(arch: str, **overrides: Any) -> Any:
         cls = Qwen3Config
         # head_dim deliberately differs from hidden_size // num_attention_heads.
         kw["head_dim"] = 32
+    elif arch == "mixtral":
+        cls = MixtralConfig
+        kw.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+        kw["sliding_window"] = None
+    elif arch == "qwen2_moe":
+        cls = Qwen2MoeConfig
+        kw.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+        )
+    elif arch == "qwen3_moe":
+        cls = Qwen3MoeConfig
+        kw.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            head_dim=32,
+        )
+    elif arch == "olmoe":
+        cls = OlmoeConfig
+        kw.update(num_experts=8, num_experts_per_tok=2, intermediate_size=32)
     else:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS + TINY_MOE_ARCHS}")
     kw.update(overrides)
     return cls(**kw)
 
@@ -85,8 +121,9 @@ def make_tiny_checkpoint(tmp_path: Path, arch: str, seed: int = 0, **overrides: 
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 2 and "embed_tokens" not in name:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            elif p.dim() >= 2 and "embed_tokens" not in name:
+                # Matrices (and stacked [E, out, in] expert matrices) scaled by fan-in.
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen))
     suffix = "-".join(f"{k}={v}" for k, v in sorted(overrides.items()))
@@ -255,3 +292,98 @@ def random_kquant_blocks(qtype: Any, rows: int, cols: int, seed: int = 0) -> np.
     else:
         raise ValueError(f"not a K-quant this helper knows: {qtype}")
     return data.reshape(rows, -1)
+
+
+# HF architecture (tiny test name) -> llama.cpp GGUF architecture.
+_MOE_GGUF_ARCH = {
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
+}
+_HF_TO_GGUF_MOE = {
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+
+
+def write_moe_gguf(hf_dir: Path, arch: str, out: Path, expert_qtype: Any = None) -> Path:
+    """Convert a tiny MoE HF checkpoint (``arch`` in ``TINY_MOE_ARCHS``) to GGUF as
+    llama.cpp's converter does: experts stacked into ``ffn_{gate,up,down}_exps``
+    (``[E, out, in]``), Mixtral as a ``llama`` file (q/k rows permuted), the
+    shared-expert gate as a vector. ``expert_qtype`` quantizes the stacked experts."""
+    import gguf
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    garch = _MOE_GGUF_ARCH[arch]
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    num_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    w = gguf.GGUFWriter(str(out), garch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    stacked: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    expert_re = re.compile(
+        r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+    )
+    parts = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up"}
+    parts["down_proj"] = "down"
+    for name, arr in tensors.items():
+        arr = arr.astype(np.float32)
+        m = expert_re.match(name)
+        if m is not None:
+            layer, e, part = int(m[1]), int(m[2]), parts[m[3]]
+            stacked.setdefault((layer, part), {})[e] = arr
+            continue
+        if name in _HF_TO_GGUF_GLOBAL:
+            gname = _HF_TO_GGUF_GLOBAL[name]
+        else:
+            _, _, layer_s, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            module = module.replace("block_sparse_moe.", "mlp.")
+            gpart = _HF_TO_GGUF_MOE.get(module) or _HF_TO_GGUF_BLOCK[module]
+            gname = f"blk.{layer_s}.{gpart}.{kind}"
+        if garch == "llama" and name.endswith("q_proj.weight"):
+            arr = llama_cpp_permute(arr, heads)
+        elif garch == "llama" and name.endswith("k_proj.weight"):
+            arr = llama_cpp_permute(arr, kv_heads)
+        if gname.endswith("ffn_gate_inp_shexp.weight"):
+            arr = arr.reshape(-1)
+        w.add_tensor(gname, arr)
+    for (layer, part), per_expert in sorted(stacked.items()):
+        arr = np.stack([per_expert[e] for e in range(num_experts)])
+        gname = f"blk.{layer}.ffn_{part}_exps.weight"
+        if expert_qtype is None:
+            w.add_tensor(gname, arr)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(arr, expert_qtype), raw_dtype=expert_qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

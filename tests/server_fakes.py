@@ -8,7 +8,6 @@ by character and records what it was asked, so tests can assert the mapping.
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import functools
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from jsonschema import validators
 from openapi_schema_validator import OAS31Validator
 
 from engine.client import EngineStats, RequestTrace
@@ -32,6 +32,8 @@ OFFSET = 10
 class FakeTokenizer:
     vocab_size = VOCAB
     eos_token_ids = frozenset({0})
+    chat_template: str | None = None
+    tool_call_format: str | None = None  # a template with no known tool-call format
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [min(ord(c), VOCAB - 1 - OFFSET) + OFFSET for c in text]
@@ -52,8 +54,11 @@ class FakeTokenizer:
         tools: Any = None,
         chat_template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         text = "".join(f"{m['role']}:{m['content']}\n" for m in messages)
+        if continue_final_message:
+            text = text[: -len("\n")]  # the final message stays open
         if add_generation_prompt:
             text += "assistant:"
         return self.encode(text)
@@ -118,7 +123,7 @@ class FakeEngine:
         self,
         tools: Sequence[Mapping[str, Any]],
         tool_choice: Any,
-        parser: str,
+        tool_format: str,
         parallel_tool_calls: bool,
     ) -> StructuredOutputSpec:
         # The fake has no grammar compiler (it has no real vocabulary to mask).
@@ -212,19 +217,31 @@ def invalid() -> InvalidRequestError:
     return InvalidRequestError("bad stop token", param="stop_token_ids", code="invalid_value")
 
 
-OPENAPI_PATH = Path(__file__).parent / "data" / "openai_openapi.yaml"
+# OpenAI's published document: shared/openai/openapi.yaml beside the repository when
+# it is there (as on CI), else the copy in tests/data (the same file).
+_SHARED_OPENAPI = Path(__file__).resolve().parents[2] / "shared" / "openai" / "openapi.yaml"
+OPENAPI_PATH = (
+    _SHARED_OPENAPI
+    if _SHARED_OPENAPI.exists()
+    else Path(__file__).parent / "data" / "openai_openapi.yaml"
+)
 
 
-def _nullable_to_31(node: Any) -> Any:
-    """The document mixes OpenAPI 3.0's ``nullable: true`` into 3.1; make it JSON Schema."""
-    if isinstance(node, dict):
-        out = {k: _nullable_to_31(v) for k, v in node.items() if k != "nullable"}
-        if node.get("nullable") is True:
-            return {"anyOf": [out, {"type": "null"}]}
-        return out
-    if isinstance(node, list):
-        return [_nullable_to_31(v) for v in node]
-    return node
+def _honour_nullable(check: Any) -> Any:
+    """A keyword check that lets ``null`` through where the schema says ``nullable: true``.
+
+    The document is OpenAPI 3.1 but still marks nullable fields with 3.0's
+    ``nullable: true`` (111 places); OAS 3.1's JSON Schema ignores that keyword,
+    so a validator that honours it reads the document as its authors wrote it.
+    The document itself is used as published: nothing in it is rewritten.
+    """
+
+    def wrapped(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        if instance is None and isinstance(schema, dict) and schema.get("nullable") is True:
+            return None
+        return check(validator, value, instance, schema)
+
+    return wrapped
 
 
 @functools.cache
@@ -232,15 +249,63 @@ def _components() -> dict[str, Any]:
     with OPENAPI_PATH.open() as f:
         # The C loader parses the 3 MB document several times faster.
         spec = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    return _nullable_to_31(copy.deepcopy(spec["components"]))  # type: ignore[no-any-return]
+    return spec["components"]  # type: ignore[no-any-return]
 
 
 @functools.cache
-def _validator(schema_name: str) -> OAS31Validator:
+def _validator(schema_name: str) -> Any:
+    cls = validators.extend(
+        OAS31Validator,
+        {k: _honour_nullable(v) for k, v in OAS31Validator.VALIDATORS.items()},
+    )
     schema = {"$ref": f"#/components/schemas/{schema_name}", "components": _components()}
-    return OAS31Validator(schema)
+    return cls(schema)
+
+
+def schema_errors(instance: Any, schema_name: str) -> list[tuple[tuple[Any, ...], str]]:
+    """Every way ``instance`` breaks OpenAI's ``components.schemas[schema_name]``: (path, message)."""
+    return sorted(
+        (
+            (tuple(e.absolute_path), e.message)
+            for e in _validator(schema_name).iter_errors(instance)
+        ),
+        key=repr,
+    )
 
 
 def assert_schema(instance: Any, schema_name: str) -> None:
-    """Validate ``instance`` against OpenAI's ``components.schemas[schema_name]``."""
-    _validator(schema_name).validate(instance)
+    """Validate ``instance`` against OpenAI's ``components.schemas[schema_name]``, as published."""
+    errors = schema_errors(instance, schema_name)
+    assert not errors, errors
+
+
+def _is_openai_null(error: Any) -> bool:
+    """The nulls OpenAI's legacy completions send where the shared schema has none.
+
+    ``finish_reason`` is null on a stream chunk until its choice finishes (OpenAI's
+    stream and the openai SDK do this), and with ``echo`` the first prompt token
+    has no logprob: ``token_logprobs[0]`` and ``top_logprobs[0]`` are null.
+    """
+    path = tuple(error.absolute_path)
+    if len(path) == 3 and path[0] == "choices" and path[2] == "finish_reason":
+        return error.instance is None
+    if len(path) == 3 and path[0] == "choices" and path[2] == "logprobs" and error.context:
+        # anyOf [object, null]: judge the object branch's own errors.
+        inner = [e for e in error.context if e.relative_schema_path[0] == 0]
+        return bool(inner) and all(
+            e.instance is None
+            and tuple(e.relative_path) in (("token_logprobs", 0), ("top_logprobs", 0))
+            for e in inner
+        )
+    return False
+
+
+def assert_completion_schema(body: Any) -> None:
+    """A ``text_completion`` (answer or stream chunk) follows ``CreateCompletionResponse``
+    as published, but for the nulls OpenAI itself sends there (``_is_openai_null``)."""
+    errors = [
+        (tuple(e.absolute_path), e.message)
+        for e in _validator("CreateCompletionResponse").iter_errors(body)
+        if not _is_openai_null(e)
+    ]
+    assert not errors, (errors, body)

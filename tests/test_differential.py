@@ -19,6 +19,14 @@ request runs alone (the reference, prefix cache off) or:
 - through the server (``test_server_axes``): /v1/completions streamed and not,
   with ``echo`` and prompt logprobs, and chat streamed against not streamed.
 
+A tiny Mixture-of-Experts model (Qwen2-MoE: routed experts and a shared one)
+runs the axes that change batch composition, chunking and caching
+(``MOE_AXES``); routing without a capacity is per token, so nothing may move.
+Under ``--moe-capacity-factor`` the answer legitimately depends on batch
+composition, so its axis (``test_tiny_moe_capacity_batch_order``) holds the
+composition fixed (every request in the first step) and changes only the order
+in which the requests arrive.
+
 Modes (``MODES``): engine settings whose numerics differ legitimately; each
 axis is compared with the reference of its own mode. Run on a tiny random
 checkpoint (every axis) and on the default model (the axes marked for it).
@@ -29,6 +37,7 @@ its axis to ``AXES`` (or its mode to ``MODES``).
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,7 +56,9 @@ from tests.differential import (
     Answer,
     Case,
     EngineFactory,
+    Submission,
     assert_same,
+    drive,
     grammar_for,
     greedy_params,
     make_cases,
@@ -105,6 +116,19 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Model:
         # Token ids 17..255: printable single-byte tokens and byte-level pieces.
         cases=tuple(make_cases(7, 16, (17, 256), max_prompt=48, max_tokens=10)),
         preempt={"num_gpu_blocks_override": 40},
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory, tiny: Model) -> Model:
+    """The tiny model's settings and cases on a tiny Qwen2-MoE (4 experts, top-2,
+    a gated shared expert) with the same vocabulary."""
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("diff_moe"), "qwen2_moe", vocab_size=49152)
+    return Model(
+        name="tiny_moe",
+        base={**tiny.base, "model": str(ckpt)},
+        cases=tiny.cases,
+        preempt=tiny.preempt,
     )
 
 
@@ -198,6 +222,12 @@ SMOLLM_AXES = (
     "grammar",
 )
 
+# The MoE model runs the axes that change batch composition, chunking and caching.
+MOE_AXES = ("batch", "chunked16", "stagger", "prefix_warm_prompt_logprobs", "preempt", "n4")
+# Capacity routing: a budget that admits every case in the first step, so the
+# batch composition of every step is the same whatever the arrival order.
+MOE_CAPACITY: dict[str, Any] = {"moe_capacity_factor": 1.0, "max_num_batched_tokens": 1024}
+
 _REFERENCES: dict[tuple[str, str], list[Answer]] = {}
 
 
@@ -231,6 +261,35 @@ def test_tiny(tiny: Model, mode: str, axis: str) -> None:
 @pytest.mark.parametrize("axis", SMOLLM_AXES)
 def test_default_model(smollm: Model, mode: str, axis: str) -> None:
     check_axis(smollm, mode, axis)
+
+
+@pytest.mark.parametrize("axis", MOE_AXES)
+def test_tiny_moe(tiny_moe: Model, axis: str) -> None:
+    check_axis(tiny_moe, "exact", axis)
+
+
+def _arriving_in(make: EngineFactory, cases: list[Case], order: list[int]) -> list[Answer]:
+    """Every case in one engine, added in ``order`` (request ids stay ``r{case}``)."""
+    eng = make(**MOE_CAPACITY)
+    subs = [Submission(f"r{i}", list(cases[i].prompt), greedy_params(cases[i])) for i in order]
+    got = drive(eng, subs)
+    assert sum(layer.rerouted_tokens for layer in eng.stats.moe_layers) > 0, "nothing rerouted"
+    return [got[f"r{i}"][0] for i in range(len(cases))]
+
+
+def test_tiny_moe_capacity_batch_order(tiny_moe: Model) -> None:
+    """Under an expert capacity, the same batch in another arrival order gives the
+    same answers (the tie-break is by position and request id, never by batch row)."""
+    make = tiny_moe.factory(EXACT)
+    cases = list(tiny_moe.cases)
+    n = len(cases)
+    ref = _arriving_in(make, cases, list(range(n)))
+    shuffled = list(range(n))
+    random.Random(0).shuffle(shuffled)
+    for name, order in (("reversed", list(range(n))[::-1]), ("shuffled", shuffled)):
+        got = _arriving_in(make, cases, order)
+        for i, (g, w) in enumerate(zip(got, ref)):
+            assert_same(g, w, f"tiny_moe/capacity/{name} case {i}")
 
 
 def test_reference_is_not_degenerate(tiny: Model) -> None:

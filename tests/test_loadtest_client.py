@@ -353,3 +353,21 @@ def test_open_loop_deadline_cancels_in_flight(
     # Every request takes ~0.6 s and all arrive within ~0.1 s: all are cut off.
     assert res.hit_deadline and res.results == [] and res.cancelled == 6
     assert res.duration_s < 1.0
+
+
+def test_conversations_share_the_system_prompt_and_keep_their_history() -> None:
+    from loadtest.workloads import load_system_prompt
+
+    sessions = build_sessions("conversations", 6, WorkloadOptions(num_turns=3, seed=4))
+    assert len(sessions) == 2 and all(len(s.turns) == 3 for s in sessions)
+    first = [s.request(0, "chat").messages for s in sessions]
+    assert all(
+        m is not None and m[0] == {"role": "system", "content": load_system_prompt()} for m in first
+    )
+    assert first[0] != first[1]  # each conversation has its own opening question
+    sessions[0].record_answer(0, "an answer")
+    second = sessions[0].request(1, "chat").messages
+    assert second is not None and second[:3] == [
+        *first[0][:2],
+        {"role": "assistant", "content": "an answer"},
+    ]

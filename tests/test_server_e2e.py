@@ -18,8 +18,9 @@ import openai
 import pytest
 from live_server import live_server
 
+import engine.async_engine  # noqa: F401  (an engine import error must fail, not skip)
+
 pytestmark = pytest.mark.slow
-pytest.importorskip("engine.async_engine")
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "e2e-key"

@@ -85,7 +85,11 @@ def allowed_tokens(bitmask: torch.Tensor, row: int, vocab: int = VOCAB) -> torch
 
 
 def random_walk(
-    state: GrammarState, tokenizer: Any, rng: random.Random, max_steps: int = 400
+    state: GrammarState,
+    tokenizer: Any,
+    rng: random.Random,
+    max_steps: int = 400,
+    stop_prob: float = 0.7,
 ) -> str:
     """Sample uniformly among allowed tokens (stop token preferred) until termination."""
     bitmask = allocate_bitmask(1, VOCAB)
@@ -95,7 +99,7 @@ def random_walk(
         state.fill_bitmask(bitmask, 0)
         allowed = allowed_tokens(bitmask, 0).nonzero().flatten().tolist()
         assert allowed, "the grammar allows nothing but is not terminated"
-        token = eos if eos in allowed and rng.random() < 0.7 else rng.choice(allowed)
+        token = eos if eos in allowed and rng.random() < stop_prob else rng.choice(allowed)
         assert state.accept_token(token)
         if state.is_terminated():
             assert token == eos
@@ -223,14 +227,21 @@ def test_forced_tool_calls_parse_and_validate(
 ) -> None:
     spec = compiler.build_tool_call_spec(TOOLS, choice, parallel_tool_calls=parallel)
     counts: set[int] = set()
-    for seed in range(4):
-        text = random_walk(compiler.new_state(spec), tokenizer, random.Random(seed), 600)
+    parallel_calls = parallel and not isinstance(choice, dict)
+    # After a call the grammar allows the end of the turn or another call (which a
+    # uniform random walk takes about one time in four): walk until one shows up.
+    for seed in range(16 if parallel_calls else 4):
+        if parallel_calls and max(counts, default=0) > 1:
+            break
+        # A walk that rarely stops where it may, so that a second call shows up.
+        stop_prob = 0.1 if parallel_calls else 0.7
+        text = random_walk(compiler.new_state(spec), tokenizer, random.Random(seed), 600, stop_prob)
         parsed = get_tool_parser("hermes", TOOLS).parse(text)
         assert parsed.content is None, text
         assert parsed.tool_calls and {c.name for c in parsed.tool_calls} <= names
         assert validate_tool_calls(parsed.tool_calls, TOOLS) == []
         counts.add(len(parsed.tool_calls))
-    if not parallel or isinstance(choice, dict):
+    if not parallel_calls:
         assert counts == {1}
     else:
         assert max(counts) > 1  # parallel calls are allowed and these seeds produce some
@@ -243,4 +254,22 @@ def test_forced_tool_call_errors(compiler: GrammarCompiler) -> None:
     with pytest.raises(InvalidRequestError):
         compiler.build_tool_call_spec([], "required")
     with pytest.raises(InvalidRequestError):
-        compiler.build_tool_call_spec(TOOLS, "required", parser="mistral")
+        compiler.build_tool_call_spec(TOOLS, "required", tool_format="nope")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("tool_format", "parser"),
+    [("llama3_json", "llama3_json"), ("mistral", "mistral"), ("mistral_v11", "mistral")],
+)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_tool_calls_every_format(
+    compiler: GrammarCompiler, tokenizer: Any, tool_format: Any, parser: str, parallel: bool
+) -> None:
+    """Whatever the grammar lets a model generate, the format's parser reads as calls only."""
+    spec = compiler.build_tool_call_spec(TOOLS, "required", tool_format, parallel)
+    for seed in range(2):
+        text = random_walk(compiler.new_state(spec), tokenizer, random.Random(seed), 600)
+        parsed = get_tool_parser(parser, TOOLS).parse(text)
+        assert not (parsed.content or "").strip(), text
+        assert 1 <= len(parsed.tool_calls) <= (8 if parallel else 1), text
+        assert validate_tool_calls(parsed.tool_calls, TOOLS) == []

@@ -137,6 +137,56 @@ def test_chat_template_matches_transformers(
     assert tok.decode(ours, skip_special_tokens=False) == text
 
 
+CONTINUED = [
+    [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi, I am"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Count."},
+        {"role": "assistant", "content": "One, two,  "},  # trailing spaces the template keeps
+    ],
+    [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": "\n  Indented start"}],
+]
+
+
+@pytest.mark.parametrize("messages", CONTINUED)
+def test_continue_final_message_matches_transformers(
+    tok: Tokenizer, messages: list[dict[str, Any]]
+) -> None:
+    """vLLM's continue_final_message is transformers': cut right after the final content."""
+    ours = tok.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    want = hf_ids(tok, messages, add_generation_prompt=False, continue_final_message=True)
+    assert ours == want
+    closed = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert closed[: len(ours)] == ours and len(closed) > len(ours)  # the turn's end is cut
+    text = tok.render_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text.endswith(messages[-1]["content"].strip()) or text.endswith(messages[-1]["content"])
+
+
+def test_continue_final_message_with_markers_in_content(tok: Tokenizer) -> None:
+    """A control-token string in the continued message stays plain text, as elsewhere."""
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "see <|im_end|> here"},
+    ]
+    ids = tok.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    closed = tok.apply_chat_template(messages, add_generation_prompt=False)
+    # The template's own turn ends, less the continued one; the user's marker is text.
+    assert ids.count(IM_END) == closed.count(IM_END) - 1
+    assert tok.decode(ids, skip_special_tokens=False).endswith("see <|im_end|> here")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        tok.apply_chat_template(
+            [{"role": "assistant", "content": " "}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
+
+
 def test_content_parts_are_joined(tok: Tokenizer) -> None:
     parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]
     assert tok.apply_chat_template([{"role": "user", "content": parts}]) == hf_ids(

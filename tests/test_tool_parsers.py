@@ -13,7 +13,6 @@ from server.tool_parsers import (
     ToolCall,
     assemble,
     get_tool_parser,
-    infer_tool_parser,
     sequential_ids,
     validate_tool_calls,
 )
@@ -206,14 +205,88 @@ def test_mistral_recorded(text: str, expected: ParsedMessage | None) -> None:
     assert stream("mistral", list(text)) == expected
 
 
-def test_registry_and_inference() -> None:
+def test_registry() -> None:
     with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
         get_tool_parser("nope")
-    assert infer_tool_parser(None) == "hermes"
-    assert infer_tool_parser("{{ '<tool_call>' }}") == "hermes"
-    assert infer_tool_parser("{% if m.role == 'ipython' %}") == "llama3_json"
-    assert infer_tool_parser("<|python_tag|>") == "llama3_json"
-    assert infer_tool_parser("[TOOL_CALLS] {{ calls }}") == "mistral"
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", "hermes"),  # our tool prompt
+        ("{{ tools }}{{ '<tool_call>' }}", "hermes"),
+        ("{{ tools }}{% if m.role == 'ipython' %}{% endif %}", "llama3_json"),
+        ("{{ tools }}<|python_tag|>", "llama3_json"),
+        ("{{ tools }}[TOOL_CALLS] {{ calls }}", "mistral"),
+        ("{{ tools }}[TOOL_CALLS]{{ name }}[ARGS]{{ args }}", "mistral_v11"),
+        ("{{ tools }}<function_call>", None),
+    ],
+)
+def test_tool_call_format_from_template(template: str, expected: str | None) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.text.tokenizer import Tokenizer
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=_tiny_backend(), chat_template=template)
+    assert Tokenizer(hf).tool_call_format == expected
+
+
+def _tiny_backend() -> object:
+    import tokenizers
+
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "[UNK]": 1}, "[UNK]"))
+    return backend
+
+
+V11_TEXT = (
+    'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[CALL_ID]abc123[ARGS]{}'
+)
+
+
+def test_mistral_v11_format() -> None:
+    expected = ParsedMessage(
+        "Sure.", [call(0, "get_weather", {"city": "Paris"}), call(1, "now", {})]
+    )
+    assert parse("mistral", V11_TEXT) == expected
+    assert stream("mistral", list(V11_TEXT)) == expected
+    # Not a function name, an undeclared function, or no [ARGS] before the JSON: content.
+    for bad in (
+        '[TOOL_CALLS]not a name[ARGS]{"a": 1}',
+        "[TOOL_CALLS]nope[ARGS]{}",
+        '[TOOL_CALLS]now{"a": 1}',
+    ):
+        assert parse("mistral", bad) == ParsedMessage(bad, []), bad
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "sep"),
+    [
+        ("hermes", '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "\n"),
+        ("llama3_json", '{"name": "now", "parameters": {}}', "; "),
+        ("mistral", "[TOOL_CALLS]now[ARGS]{}", ""),
+    ],
+)
+def test_drop_incomplete_cuts(name: str, text: str, sep: str) -> None:
+    """Cut anywhere in a second call: with drop_incomplete, one call and no markup as content."""
+    parser = get_tool_parser(name, TOOLS)
+    assert len(parser.parse(text + sep + text, drop_incomplete=True).tool_calls) == 2
+    for cut in range(1, len(text)):
+        cut_text = text + sep + text[:cut]
+        parsed = parser.parse(cut_text, drop_incomplete=True)
+        assert [c.name for c in parsed.tool_calls] == ["now"], cut
+        assert not parsed.content, (cut, parsed.content)
+        s = parser.stream()
+        deltas = [s.feed(ch) for ch in cut_text] + [s.finish(drop_incomplete=True)]
+        assert "".join(d.content for d in deltas) == "", cut
+        assert sum(1 for d in deltas for c in d.tool_calls if c.name) == 1, cut
+
+
+def test_without_dropping_a_cut_block_is_content() -> None:
+    text = '<tool_call>\n{"name": "now", "arguments": {'
+    assert parse("hermes", text) == ParsedMessage(text, [])
+    assert get_tool_parser("hermes", TOOLS).parse(text, drop_incomplete=True) == ParsedMessage(
+        "", []
+    )
 
 
 def test_feed_after_finish_raises() -> None:

@@ -1,10 +1,10 @@
 """Tool calls cut off by ``max_tokens``: the decided behaviour, parser and HTTP level.
 
-Decision (OpenAI semantics): an incomplete call is content and the choice finishes
-with ``"length"``, never ``"tool_calls"``. Calls whose block was complete before
-the cut stand as ``tool_calls``: the streaming path has already sent them when the
-cut happens, and both paths must give the same message. Nothing generated is
-dropped: the cut-off block's text is the content, verbatim.
+Decision (OpenAI semantics, issue 22): an incomplete call is no call and the choice
+finishes with ``"length"``, never ``"tool_calls"``; its raw markup is not content
+either (streamed or not). Calls whose block was complete before the cut stand as
+``tool_calls``: the streaming path has already sent them when the cut happens, and
+both paths give the same message. Text before the cut-off block stays content.
 """
 
 from __future__ import annotations
@@ -114,12 +114,13 @@ def test_http_cut_off_call_finishes_length(max_tokens: int, n_calls: int) -> Non
         assert [call["function"]["name"] for call in calls] == ["get_weather"][:n_calls]
         for call in calls:
             assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-        tail = expected_text[len(FIRST) :] if n_calls else expected_text
-        assert message["content"] == tail
+        # The cut-off block (and the separator before it) is neither a call nor content.
+        assert message["content"] is None
         assert "get_time" not in [call["function"]["name"] for call in calls]
+        assert len(expected_text) == max_tokens  # what was generated, one char per token
 
         content, streamed, finish = _stream(c, _body(max_tokens))
-        assert finish == "length" and content == tail
+        assert finish == "length" and content == ""
         assert [(n, json.loads(a)) for n, a in streamed] == [
             (call["function"]["name"], json.loads(call["function"]["arguments"])) for call in calls
         ]

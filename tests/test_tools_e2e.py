@@ -274,10 +274,43 @@ def test_forced_tool_calls(sdk: openai.OpenAI, choice: Any) -> None:
         ]
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_with_one_tool_ends_the_turn(sdk: openai.OpenAI, parallel: bool) -> None:
+    """Issue 22's case: one weather tool, a weather question, a generous max_tokens.
+
+    The turn ends with complete calls (``tool_calls``), never ``length`` with a third
+    call's raw markup in content; judged on what the model generated (logprobs)."""
+    r = sdk.chat.completions.create(
+        model=MODEL,
+        messages=_user("What is the weather in Paris?"),
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=parallel,
+        max_tokens=700,  # generous: the window is 1024 and the prompt about 230
+        temperature=0,
+        logprobs=True,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert not choice.message.content
+    calls = _check_calls(choice.message.tool_calls)
+    assert 1 <= len(calls) <= (8 if parallel else 1)
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    raw = bytes(b for t in choice.logprobs.content for b in (t.bytes or [])).decode()
+    parsed = HermesToolParser([WEATHER]).parse(raw.removesuffix("<|im_end|>"))
+    assert not (parsed.content or "").strip() and len(parsed.tool_calls) == len(calls), raw
+
+
 def test_parallel_tool_calls_false_gives_one_call(sdk: openai.OpenAI) -> None:
     r = sdk.chat.completions.create(
-        parallel_tool_calls=False, **_forced_kwargs(TOOL_PROMPTS[2], "required", 11)
+        parallel_tool_calls=False,
+        logprobs=True,
+        **_forced_kwargs(TOOL_PROMPTS[2], "required", 11),
     )
+    # One block is all the grammar let the model generate (no call was dropped).
+    assert r.choices[0].logprobs is not None and r.choices[0].logprobs.content is not None
+    raw = bytes(b for t in r.choices[0].logprobs.content for b in (t.bytes or [])).decode()
+    assert len(HermesToolParser(TOOLS).parse(raw.removesuffix("<|im_end|>")).tool_calls) == 1
     assert r.choices[0].finish_reason == "tool_calls"
     assert len(_check_calls(r.choices[0].message.tool_calls)) == 1
 

@@ -1,106 +1,61 @@
-"""``GET /v1/traces/{id}`` and the per-request log line, against a fake engine (fast).
+"""``GET /v1/traces/{id}`` and the per-request log line, on a real engine (tiny checkpoint).
 
-The fake records real ``engine.trace`` traces (one prefill chunk, one decode
-step per later token) under the engine request ids the app chooses, and answers
-``get_trace`` as ``AsyncEngine`` does, so the route's id mapping, 404s, content
-decoding and publication review are exercised without a model.
+The engine records its own traces (``--enable-request-traces``) under the
+engine request ids the app chooses; the route maps response ids back to them,
+answers 404s in the envelope, decodes content only with ``--log-prompts`` and
+strips it for publication.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.outputs import RequestOutput
-from engine.request import RequestOptions
-from engine.sampling.params import SamplingParams
-from engine.trace import RequestTrace, TraceRecorder, TraceStore
 from server.app import build_app
 from server.config import ServerConfig
 from server.traces import engine_id_candidates
-from tests.server_fakes import FakeEngine, assert_schema
+from tests.real_engine import SharedEngine, exact_engine
+from tests.server_fakes import assert_schema
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MARKER = "zebra-quokka-7731"
 
 
-@dataclass
-class TracingFakeEngine(FakeEngine):
-    """FakeEngine that records traces like LLMEngine does (n > 1 under ``<id>-<i>``)."""
-
-    log_prompts: bool = False
-    traces: TraceStore = field(default_factory=lambda: TraceStore(max_traces=100))
-
-    def __post_init__(self) -> None:
-        self.tracer = TraceRecorder(self.traces, log_prompts=self.log_prompts)
-
-    async def get_trace(self, request_ids: Sequence[str]) -> RequestTrace | None:
-        for rid in request_ids:
-            trace = self.traces.get(rid)
-            if trace is not None:
-                return dataclasses.replace(trace, events=list(trace.events))
-        return None
-
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        options: RequestOptions | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        rids = [f"{request_id}-{i}" for i in range(params.n)] if params.n > 1 else [request_id]
-        t = time.monotonic()
-        for rid in rids:
-            self.tracer.on_arrival(rid, t)
-            self.tracer.on_scheduled(rid, t)
-        outputs: dict[int, list[int]] = {i: [] for i in range(params.n)}
-        first = True
-        async for out in super().generate(prompt_token_ids, params, request_id, options):
-            for d in out.outputs:
-                rid = rids[d.index]
-                if first:
-                    self.tracer.on_prefill_chunk(rid, len(prompt_token_ids), 0, 0.01)
-                else:
-                    self.tracer.on_decode_step(rid, 0.01, params.n)
-                outputs[d.index].extend(d.delta_token_ids)
-                if d.finish_reason is not None:
-                    self.tracer.on_finished(rid, time.monotonic(), d.finish_reason)
-                    self.tracer.on_content(
-                        rid,
-                        prompt_token_ids=list(prompt_token_ids),
-                        output_token_ids=outputs[d.index],
-                    )
-            first = False
-            yield out
+def _engine(model_dir: Path, **kw: Any) -> Iterator[SharedEngine]:
+    shared = SharedEngine(exact_engine(model_dir, **kw))
+    yield shared
+    asyncio.run(shared.inner.shutdown())
 
 
-def make_client(
-    engine: FakeEngine,
-    *,
-    enable_request_traces: bool = False,
-    log_prompts: bool = False,
-    **cfg: Any,
-) -> TestClient:
-    # Traces and prompt logging are engine settings: the server asks its engine.
-    engine.traces_enabled = enable_request_traces
-    engine.log_prompts = log_prompts
-    if isinstance(engine, TracingFakeEngine):
-        engine.tracer = TraceRecorder(engine.traces, log_prompts=log_prompts)
-    return TestClient(build_app(engine, ServerConfig(**cfg)))
+@pytest.fixture(scope="module")
+def traced(tiny_server_engine: SharedEngine) -> SharedEngine:
+    return tiny_server_engine  # the shared engine records traces
+
+
+@pytest.fixture(scope="module")
+def traced_with_prompts(tiny_server_dir: Path) -> Iterator[SharedEngine]:
+    yield from _engine(tiny_server_dir, enable_request_traces=True, log_prompts=True)
+
+
+@pytest.fixture(scope="module")
+def untraced(tiny_server_dir: Path) -> Iterator[SharedEngine]:
+    yield from _engine(tiny_server_dir)
+
+
+def client_of(engine: SharedEngine) -> TestClient:
+    return TestClient(build_app(engine, ServerConfig(served_model_name=["tiny"])))
 
 
 def chat(client: TestClient, content: str = "hi", **kw: Any) -> dict[str, Any]:
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": content}], **kw}
-    r = client.post(CHAT, json=body)
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **kw}
+    r = client.post(CHAT, json={"ignore_eos": True, **body})
     assert r.status_code == 200, r.text
     return dict(r.json())
 
@@ -118,39 +73,27 @@ def test_candidates_strip_prefix() -> None:
     assert engine_id_candidates("raw") == ["raw", "raw-0", "raw-0-0"]
 
 
-def test_trace_is_a_copy() -> None:
-    engine = TracingFakeEngine()
-    engine.tracer.on_arrival("r", 1.0)
-    snap = asyncio.run(engine.get_trace(["x", "r"]))
-    assert isinstance(snap, RequestTrace) and snap.request_id == "r"
-    engine.tracer.on_scheduled("r", 2.0)
-    assert snap.events == [] and len(engine.traces.get("r").events) == 1  # type: ignore[union-attr]
-
-
-def test_traces_off_is_404() -> None:
-    with make_client(TracingFakeEngine()) as client:
+def test_traces_off_is_404(untraced: SharedEngine) -> None:
+    with client_of(untraced) as client:
         reply = chat(client)
         assert_not_found(client.get(f"/v1/traces/{reply['id']}"))
 
 
-def test_engine_without_traces_is_404() -> None:
-    with make_client(FakeEngine(), enable_request_traces=True) as client:
-        reply = chat(client)
-        assert_not_found(client.get(f"/v1/traces/{reply['id']}"))
-
-
-def test_chat_trace_by_response_id() -> None:
-    engine = TracingFakeEngine(reply="abcd")
-    with make_client(engine, enable_request_traces=True) as client:
+def test_chat_trace_by_response_id(traced: SharedEngine) -> None:
+    with client_of(traced) as client:
         reply = chat(client, content=MARKER)
         r = client.get(f"/v1/traces/{reply['id']}")
         assert r.status_code == 200, r.text
         trace = r.json()
+        engine_id = traced.calls[-1][2]
         # The response id is the engine id behind the OpenAI prefix.
-        assert reply["id"] == f"chatcmpl-{engine.calls[-1].request_id}"
-        assert trace["request_id"] == engine.calls[-1].request_id
-        kinds = [e["kind"] for e in trace["events"]]
+        assert reply["id"] == f"chatcmpl-{engine_id}" and trace["request_id"] == engine_id
+        kinds = [e["kind"] for e in trace["events"] if e["kind"] not in ("kv_blocks", "prefix_hit")]
+        # A short prompt: one prefill chunk (which samples token 1), then 3 decodes.
         assert kinds == ["queue_wait", "prefill_chunk"] + ["decode_step"] * 3 + ["finished"]
+        # The shared engine may hold the template's opening in its prefix cache.
+        hits = [e["num_tokens"] for e in trace["events"] if e["kind"] == "prefix_hit"]
+        assert sum(hits) == reply["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert trace["finished"] and trace["timings"]["consistent"]
         # Metadata only without log_prompts: no content keys at all.
         assert MARKER not in r.text
@@ -158,28 +101,45 @@ def test_chat_trace_by_response_id() -> None:
         assert_not_found(client.get("/v1/traces/chatcmpl-nope"))
 
 
-def test_n_choices_and_prompts_addressed_by_suffix() -> None:
-    engine = TracingFakeEngine(reply="xy")
-    with make_client(engine, enable_request_traces=True) as client:
+def test_trace_is_a_copy(traced: SharedEngine) -> None:
+    with client_of(traced) as client:
+        reply = chat(client)
+        rid = reply["id"].removeprefix("chatcmpl-")
+        first = asyncio.run(traced.get_trace([rid]))
+        assert first is not None and first.request_id == rid
+        events = list(first.events)
+        first.events.clear()  # the copy is the caller's: the stored trace is untouched
+        again = asyncio.run(traced.get_trace(["unknown", rid]))
+        assert again is not None and again.events == events
+
+
+def test_n_choices_and_prompts_addressed_by_suffix(traced: SharedEngine) -> None:
+    with client_of(traced) as client:
         reply = chat(client, n=2)
-        base = engine.calls[-1].request_id
+        base = traced.calls[-1][2]
         assert client.get(f"/v1/traces/{reply['id']}").json()["request_id"] == f"{base}-0"
         assert client.get(f"/v1/traces/{reply['id']}-1").json()["request_id"] == f"{base}-1"
-        r = client.post(COMP, json={"model": "fake-model", "prompt": ["one", "two"]})
+        r = client.post(COMP, json={"prompt": ["one", "two"], "max_tokens": 2})
         assert r.status_code == 200, r.text
         cid = r.json()["id"]
-        engine_ids = [c.request_id for c in engine.calls[-2:]]
+        engine_ids = [c[2] for c in traced.calls[-2:]]
         assert client.get(f"/v1/traces/{cid}").json()["request_id"] == engine_ids[0]
         assert client.get(f"/v1/traces/{cid}-1").json()["request_id"] == engine_ids[1]
 
 
-def test_log_prompts_text_in_trace_stripped_when_published() -> None:
-    engine = TracingFakeEngine(reply="ok", log_prompts=True)
-    with make_client(engine, enable_request_traces=True, log_prompts=True) as client:
+def test_log_prompts_text_in_trace_stripped_when_published(
+    traced_with_prompts: SharedEngine,
+) -> None:
+    with client_of(traced_with_prompts) as client:
         reply = chat(client, content=MARKER)
         full = client.get(f"/v1/traces/{reply['id']}").json()
-        assert MARKER in full["prompt_text"] and full["output_text"] == "ok"
-        assert full["prompt_token_ids"]
+        prompt_ids, params, _, _ = traced_with_prompts.calls[-1]
+        tok = traced_with_prompts.tokenizer
+        assert MARKER in full["prompt_text"] and full["prompt_token_ids"] == prompt_ids
+        assert len(full["output_token_ids"]) == params.max_tokens == 4
+        assert full["output_text"] == tok.decode(
+            full["output_token_ids"], skip_special_tokens=False
+        )
         r = client.get(f"/v1/traces/{reply['id']}", params={"publish": "true"})
         assert r.status_code == 200
         assert MARKER not in r.text
@@ -189,20 +149,22 @@ def test_log_prompts_text_in_trace_stripped_when_published() -> None:
         assert "prompt_token_ids" not in published and "prompt_text" not in published
 
 
-def test_finished_log_line_has_request_id_and_no_text(caplog: pytest.LogCaptureFixture) -> None:
-    with make_client(TracingFakeEngine(reply="secretreply")) as client:
+def test_finished_log_line_has_request_id_and_no_text(
+    untraced: SharedEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    with client_of(untraced) as client:
         caplog.set_level(logging.INFO, logger="fuel_serve.server")
-        body = {"model": "fake-model", "messages": [{"role": "user", "content": MARKER}]}
-        r = client.post(CHAT, json=body, headers={"X-Request-Id": "abc123"})
+        body = {"messages": [{"role": "user", "content": MARKER}], "max_tokens": 3}
+        r = client.post(CHAT, json={**body, "ignore_eos": True}, headers={"X-Request-Id": "abc123"})
         assert r.status_code == 200 and r.headers["x-request-id"] == "abc123"
         r = client.post(CHAT, json={**body, "model": "nope"}, headers={"X-Request-Id": "e404"})
         assert r.status_code == 404 and r.headers["x-request-id"] == "e404"
     finished = [rec for rec in caplog.records if getattr(rec, "request_id", None) == "abc123"]
     assert len(finished) == 1
     rec: Any = finished[0]
-    assert rec.completion_tokens == len("secretreply") and rec.finish_reason == "stop"
+    assert rec.completion_tokens == 3 and rec.finish_reason == "length"
     assert rec.engine_request_id.startswith("abc123-")
     errors: list[Any] = [r for r in caplog.records if getattr(r, "request_id", None) == "e404"]
     assert [(e.status, e.code) for e in errors] == [(404, "model_not_found")]
-    text = "\n".join(f"{r.getMessage()} {vars(r)}" for r in caplog.records)
-    assert MARKER not in text and "secretreply" not in text
+    logged = "\n".join(f"{r.getMessage()} {vars(r)}" for r in caplog.records)
+    assert MARKER not in logged

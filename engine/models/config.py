@@ -23,7 +23,19 @@ _MODEL_TYPE_ARCHS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+
+# Mixture-of-experts architectures (engine/models/moe.py implements them).
+MOE_ARCHS = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+)
 
 
 @dataclass
@@ -46,6 +58,22 @@ class ModelConfig:
         sliding_window: window of a sliding-window model (Mistral), else ``None``.
             Attention backends attend over the full context, so results are exact
             only up to ``max_supported_len()`` tokens.
+        qk_norm_full: with ``qk_norm``, the norm spans the whole q (and k)
+            projection instead of each head (OLMoE).
+        clip_qkv: clamp q, k and v to ``[-clip_qkv, clip_qkv]`` after the
+            projections (and q/k norms), as OLMoE's ``clip_qkv`` does.
+        num_experts: routed experts per MoE layer; 0 for a dense model.
+        num_experts_per_tok: experts each token is routed to (top-k).
+        moe_intermediate_size: each routed expert's MLP width.
+        norm_topk_prob: renormalise the top-k router probabilities to sum to 1
+            (Mixtral always; Qwen-MoE and OLMoE per their config).
+        moe_weights_fp32: scale expert outputs by float32 routing weights
+            (Mixtral); otherwise the weights are cast to the model dtype first.
+        shared_expert_intermediate_size: width of the always-on shared expert
+            with its sigmoid gate (Qwen2-MoE); 0 for none.
+        dense_layers: layers of an MoE model that have a dense MLP of
+            ``intermediate_size`` instead (Qwen-MoE ``mlp_only_layers`` and
+            ``decoder_sparse_step``).
     """
 
     architecture: str
@@ -67,6 +95,19 @@ class ModelConfig:
     bos_token_id: int | list[int] | None = None
     eos_token_id: int | list[int] | None = None
     sliding_window: int | None = None
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_weights_fp32: bool = False
+    shared_expert_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -83,6 +124,14 @@ class ModelConfig:
                     f"unsupported RoPE scaling type {rope_type!r}; supported: "
                     f"{', '.join(SUPPORTED_ROPE_TYPES)}"
                 )
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                    f"got {self.num_experts_per_tok}"
+                )
+            if self.moe_intermediate_size < 1:
+                raise ValueError("an MoE model needs moe_intermediate_size >= 1")
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V cache one token takes across all layers."""
@@ -134,7 +183,10 @@ class ModelConfig:
         if arch == "Qwen2ForCausalLM":
             # Qwen2 always has q/k/v biases and never an o_proj bias.
             qkv_bias, o_bias = True, False
-        elif arch == "MistralForCausalLM":
+        elif arch == "Qwen2MoeForCausalLM":
+            # Qwen2-MoE: q/k/v biases per its ``qkv_bias`` (default on), never on o_proj.
+            qkv_bias, o_bias = bool(getattr(cfg, "qkv_bias", True)), False
+        elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):
             qkv_bias, o_bias = False, False
         else:
             qkv_bias, o_bias = attn_bias_flag, attn_bias_flag
@@ -158,11 +210,60 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             o_proj_bias=o_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
             bos_token_id=getattr(cfg, "bos_token_id", None),
             eos_token_id=getattr(cfg, "eos_token_id", None),
             sliding_window=int(window) if window is not None else None,
+            **_moe_from_hf(arch, cfg),
         )
+
+
+def _moe_from_hf(arch: str, cfg: Any) -> dict[str, Any]:
+    """The MoE fields of ``ModelConfig`` for the architectures in ``MOE_ARCHS`` (else none).
+
+    Each follows its transformers implementation: Mixtral always renormalises
+    the top-k and keeps the weights in float32; Qwen2-MoE, Qwen3-MoE and OLMoE
+    renormalise per ``norm_topk_prob`` and cast to the model dtype. Qwen-MoE
+    layers in ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid are dense.
+    """
+    if arch not in MOE_ARCHS:
+        return {}
+    layers = int(cfg.num_hidden_layers)
+    if arch == "MixtralForCausalLM":
+        return {
+            "num_experts": int(cfg.num_local_experts),
+            "num_experts_per_tok": int(cfg.num_experts_per_tok),
+            "moe_intermediate_size": int(cfg.intermediate_size),
+            "norm_topk_prob": True,
+            "moe_weights_fp32": True,
+        }
+    if arch == "OlmoeForCausalLM":
+        clip = getattr(cfg, "clip_qkv", None)
+        return {
+            "num_experts": int(cfg.num_experts),
+            "num_experts_per_tok": int(cfg.num_experts_per_tok),
+            "moe_intermediate_size": int(cfg.intermediate_size),
+            "norm_topk_prob": bool(cfg.norm_topk_prob),
+            "qk_norm_full": True,
+            "clip_qkv": float(clip) if clip is not None else None,
+        }
+    num_experts = int(cfg.num_experts)
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    only = set(getattr(cfg, "mlp_only_layers", None) or [])
+    dense = tuple(i for i in range(layers) if i in only or num_experts == 0 or (i + 1) % step != 0)
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":
+        shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+        if shared < 1:
+            raise ValueError("Qwen2-MoE needs shared_expert_intermediate_size >= 1")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(cfg.num_experts_per_tok),
+        "moe_intermediate_size": int(cfg.moe_intermediate_size),
+        "norm_topk_prob": bool(cfg.norm_topk_prob),
+        "shared_expert_intermediate_size": shared,
+        "dense_layers": dense,
+    }
 
 
 def _rope_from_hf(cfg: Any) -> tuple[float, dict[str, Any] | None]:

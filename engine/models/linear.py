@@ -193,6 +193,13 @@ class LinearHost(Protocol):
 
     def logits_weight(self) -> torch.Tensor: ...
 
+    def use_expert_linears(
+        self, make: Callable[[torch.Tensor], nn.Module], keep_stacked: bool
+    ) -> int:
+        """Replace every expert matrix (Mixture-of-Experts models) by ``make(weight)``;
+        ``keep_stacked``: the modules share the stacked weights' storage."""
+        ...
+
 
 class LinearStrategy(ABC):
     """How every linear of a model runs. ``apply`` replaces each ``nn.Linear``
@@ -202,16 +209,30 @@ class LinearStrategy(ABC):
     before the first forward.
 
     ``exact``: outputs equal the float32 model's up to float32 rounding (no
-    quantization)."""
+    quantization). Expert matrices of MoE models (bare weights) become
+    ``self.matrix(weight)`` when ``takes_experts``; ``keeps_stacked``: those
+    modules share the stacked weights' storage (so the stacked path stays)."""
 
     name: str = "abstract"
     exact: bool = False
+    takes_experts: bool = True
+    keeps_stacked: bool = False
 
     def apply(self, model: LinearHost) -> int:
-        """Convert ``model`` in place; returns how many linears (logits included) it converted."""
+        """Convert ``model`` in place; returns how many linears (logits and expert
+        matrices included) it converted."""
         n = self._replace(model.linear_root())
         model.logits_linear = self.logits(model.logits_weight())
+        if self.takes_experts:
+            n += model.use_expert_linears(self.matrix, self.keeps_stacked)
         return n + (model.logits_linear is not None)
+
+    def matrix(self, weight: torch.Tensor) -> nn.Module:
+        """The module computing ``x @ weight.T`` (no bias): an expert matrix."""
+        out_features, in_features = weight.shape
+        lin = nn.Linear(in_features, out_features, bias=False, device="meta")
+        lin.weight = nn.Parameter(weight, requires_grad=False)
+        return self.linear(lin)
 
     def _replace(self, root: nn.Module) -> int:
         count = 0
@@ -239,6 +260,7 @@ class TorchLinears(LinearStrategy):
 
     name = "torch"
     exact = True
+    takes_experts = False
 
     def linear(self, linear: nn.Linear) -> nn.Module:
         return linear
@@ -253,6 +275,7 @@ class OneDnnLinears(LinearStrategy):
 
     name = "onednn"
     exact = True
+    keeps_stacked = True  # PackedLinear keeps a view of the float weight
 
     def __init__(self, min_rows: int = 8) -> None:
         self.min_rows = min_rows

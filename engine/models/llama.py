@@ -2,6 +2,10 @@
 
 One implementation covers Llama 2/3 (with llama3 RoPE scaling), SmolLM/SmolLM2,
 Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm before RoPE).
+The Mixture-of-Experts models (engine/models/moe.py) reuse its attention,
+norms, RoPE and decoder layer, swapping the MLP for a sparse block through
+``LlamaForCausalLM.make_layer`` (OLMoE's whole-projection q/k norm and
+``clip_qkv`` live in ``LlamaAttention``, off for every dense family).
 
 The input is a flattened batch (``[T]`` token ids with their positions, see
 ``engine/attention/base.py``); there is no batch dimension and no padding.
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +27,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
+from engine.models.moe_routing import RoutingContext
 from engine.models.ops import ModelOps, RopeInputs, TorchModelOps
 
 
@@ -132,9 +137,15 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
+        # OLMoE normalises the whole q / k projection, the Qwen3 family each head.
+        self.qk_norm_full = config.qk_norm_full
+        self.clip_qkv = config.clip_qkv
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            q_dim, k_dim = (
+                (self.q_size, self.kv_size) if self.qk_norm_full else (self.head_dim, self.head_dim)
+            )
+            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(k_dim, config.rms_norm_eps)
         # Shared by every layer; not submodules (they hold no parameters).
         self.attn_backend = attn_backend
         self.ops: ModelOps = TorchModelOps()
@@ -156,8 +167,17 @@ class LlamaAttention(nn.Module):
         )
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
+            if self.qk_norm_full:
+                q = self.q_norm(q.reshape(t, self.q_size)).view(t, self.num_heads, self.head_dim)
+                k = self.k_norm(k.reshape(t, self.kv_size)).view(
+                    t, self.num_kv_heads, self.head_dim
+                )
+            else:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q, k = self.ops.rope(q, k, rope)
         o = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         out: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
@@ -165,11 +185,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """SwiGLU MLP of ``intermediate_size`` (default: the config's; a Qwen2-MoE shared expert's)."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.intermediate_size = size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
         self.ops: ModelOps = TorchModelOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,10 +201,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    """Attention then MLP, pre-norm. ``mlp`` replaces the dense MLP (an MoE block)."""
+
+    def __init__(
+        self, config: ModelConfig, attn_backend: AttentionBackend, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, attn_backend)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -192,22 +219,34 @@ class LlamaDecoderLayer(nn.Module):
         rope: RopeInputs,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        routing: RoutingContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual-stream form: returns ``(mlp_out, residual)``; the layer's output
-        is their sum, which the next norm computes (fused with the add)."""
+        is their sum, which the next norm computes (fused with the add).
+        ``routing`` reaches MoE blocks only (see ``feed_forward``)."""
         h, residual = self.input_layernorm.norm(x, residual)
         h = self.self_attn(h, rope, kv_cache, meta)
         h, residual = self.post_attention_layernorm.norm(h, residual)
-        return self.mlp(h), residual
+        return self.feed_forward(h, routing), residual
+
+    def feed_forward(self, h: torch.Tensor, routing: RoutingContext | None) -> torch.Tensor:
+        """The MLP on the normed hidden states (dense layers ignore ``routing``)."""
+        out: torch.Tensor = self.mlp(h)
+        return out
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        make_layer: Callable[[int], LlamaDecoderLayer] | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend) for _ in range(config.num_hidden_layers)
-        )
+        if make_layer is None:
+            make_layer = lambda _i: LlamaDecoderLayer(config, attn_backend)  # noqa: E731
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -234,12 +273,16 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend)
+        self.model = LlamaModel(config, attn_backend, lambda i: self.make_layer(i, attn_backend))
         self.lm_head: nn.Linear | None = None
         # The module computing logits, set by a LinearStrategy (None: F.linear).
         self.logits_linear: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def make_layer(self, index: int, attn_backend: AttentionBackend) -> LlamaDecoderLayer:
+        """Decoder layer ``index`` (subclasses give some layers another MLP)."""
+        return LlamaDecoderLayer(self.config, attn_backend)
 
     def initialize_buffers(self) -> None:
         """Recompute non-persistent buffers (RoPE cache); call after ``to_empty``."""
@@ -251,11 +294,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        routing: RoutingContext | None = None,
     ) -> torch.Tensor:
         """Run the flattened batch; returns final-normed hidden states ``[T, hidden]``.
 
         ``kv_caches[i]`` is layer ``i``'s ``(k_cache, v_cache)``; the new tokens'
         keys/values are written into the slots ``meta.slot_mapping`` names.
+        ``routing`` (MoE models: expert capacity and tie-break keys; see
+        engine/models/moe_routing.py) is passed to every layer.
         """
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
@@ -263,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.model.rotary_emb.inputs(positions, x.dtype)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+            x, residual = layer(x, residual, rope, kv_cache, meta, routing)
         return self.model.norm.norm(x, residual)[0]
 
     def set_ops(self, ops: ModelOps) -> None:
@@ -282,6 +328,12 @@ class LlamaForCausalLM(nn.Module):
     def linear_root(self) -> nn.Module:
         r"""The modules whose ``nn.Linear``\ s a LinearStrategy converts (engine/models/linear.py)."""
         return self.model
+
+    def use_expert_linears(
+        self, make: Callable[[torch.Tensor], nn.Module], keep_stacked: bool
+    ) -> int:
+        """Hand every expert matrix to ``make`` (a LinearStrategy); dense models have none."""
+        return 0
 
     def logits_weight(self) -> torch.Tensor:
         """The logits projection's weight ``[vocab, hidden]``: ``lm_head`` or the tied embedding."""
@@ -302,15 +354,26 @@ class LlamaForCausalLM(nn.Module):
             names.update(f"{prefix}{p}.{kind}" for p in parts)
         return names
 
-    def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
+    def _shard_rows(self, fused: torch.Tensor, fused_name: str, shard: int) -> tuple[int, int]:
         """(start row, row count) of shard ``shard`` inside fused parameter ``fused``."""
         cfg = self.config
-        if fused == "qkv_proj":
+        if fused_name == "qkv_proj":
             q = cfg.num_attention_heads * cfg.head_dim
             kv = cfg.num_key_value_heads * cfg.head_dim
             return ((0, q), (q, kv), (q + kv, kv))[shard]
-        i = cfg.intermediate_size
+        i = fused.shape[0] // 2  # gate_up: a dense MLP's or a shared expert's width
         return ((0, i), (i, i))[shard]
+
+    def weight_target(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor:
+        """The (view of the) parameter that Hugging Face tensor ``name`` is copied into."""
+        m = _FUSED_NAME.match(name)
+        if m is None:
+            return params[name]
+        prefix, part, kind = m.groups()
+        fused_name, shard = _FUSED[part]
+        fused = params[f"{prefix}{fused_name}.{kind}"]
+        start, rows = self._shard_rows(fused, fused_name, shard)
+        return fused[start : start + rows]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -337,14 +400,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
             if name in loaded:
                 raise ValueError(f"weight {name!r} given twice")
-            m = _FUSED_NAME.match(name)
-            if m is not None:
-                prefix, part, kind = m.groups()
-                fused, shard = _FUSED[part]
-                start, rows = self._shard_rows(fused, shard)
-                target = params[f"{prefix}{fused}.{kind}"][start : start + rows]
-            else:
-                target = params[name]
+            target = self.weight_target(name, params)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, "

@@ -43,7 +43,13 @@ _GGUF_ARCHS = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+# Whether llama.cpp renormalises each arch's top-k weights when the file does
+# not say (``{arch}.expert_weights_norm``): its graph code hard-codes these.
+_GGUF_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -249,8 +255,12 @@ def _gguf_model_config(g: GgufFile) -> ModelConfig:
     if embd is None:
         raise ValueError(f"{g.path}: GGUF file has no token_embd.weight")
     window = md.get(f"{arch}.attention.sliding_window")
+    moe = _gguf_moe_fields(g, arch)
+    architecture = _GGUF_ARCHS[arch]
+    if arch == "llama" and moe:
+        architecture = "MixtralForCausalLM"  # llama.cpp converts Mixtral as llama + experts
     return ModelConfig(
-        architecture=_GGUF_ARCHS[arch],
+        architecture=architecture,
         vocab_size=int(embd.shape[0]),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -269,7 +279,38 @@ def _gguf_model_config(g: GgufFile) -> ModelConfig:
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
         sliding_window=int(window) if window is not None else None,
+        **moe,
     )
+
+
+def _gguf_moe_fields(g: GgufFile, arch: str) -> dict[str, Any]:
+    """``ModelConfig``'s MoE fields from GGUF metadata (none for a dense file).
+
+    Layers without ``ffn_gate_inp`` are dense. Expert widths fall back to
+    ``feed_forward_length`` as llama.cpp does.
+    """
+    md = g.metadata
+    num_experts = int(md.get(f"{arch}.expert_count", 0) or 0)
+    if num_experts == 0:
+        return {}
+    layers = int(md[f"{arch}.block_count"])
+    ffn = int(md[f"{arch}.feed_forward_length"])
+    norm = md.get(f"{arch}.expert_weights_norm", _GGUF_EXPERT_WEIGHTS_NORM.get(arch, False))
+    shared = 0
+    if "blk.0.ffn_gate_shexp.weight" in g.tensors:
+        shared = int(md.get(f"{arch}.expert_shared_feed_forward_length", ffn))
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(md[f"{arch}.expert_used_count"]),
+        "moe_intermediate_size": int(md.get(f"{arch}.expert_feed_forward_length", ffn)),
+        "norm_topk_prob": bool(norm),
+        "moe_weights_fp32": arch == "llama",
+        "shared_expert_intermediate_size": shared,
+        "dense_layers": tuple(
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors
+        ),
+        "qk_norm_full": arch == "olmoe",
+    }
 
 
 _GGUF_GLOBAL_NAMES = {
@@ -290,21 +331,37 @@ _GGUF_BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Mixture-of-experts tensors (only in MoE files). ``ffn_*_exps`` are stacked
+# ``[E, ...]`` tensors; the MoE model splits ``mlp.experts.*_proj.weight`` per
+# expert (engine/models/moe.py).
+_GGUF_MOE_BLOCK_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """Map a llama.cpp tensor name to its Hugging Face name.
+def gguf_to_hf_name(name: str, moe: bool = False) -> str:
+    """Map a llama.cpp tensor name to its Hugging Face name (``moe``: expert tensors too).
 
     Raises:
-        ValueError: the tensor has no Hugging Face counterpart we know.
+        ValueError: the tensor has no Hugging Face counterpart we know (expert
+            tensors in a file that is not ``moe``).
     """
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     m = _GGUF_BLOCK_RE.match(name)
-    if m is not None and m.group(2) in _GGUF_BLOCK_NAMES:
+    if m is not None:
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_GGUF_BLOCK_NAMES[part]}.{kind}"
+        mapped = _GGUF_BLOCK_NAMES.get(part) or (_GGUF_MOE_BLOCK_NAMES.get(part) if moe else None)
+        if mapped is not None:
+            return f"model.layers.{layer}.{mapped}.{kind}"
     raise ValueError(f"unknown GGUF tensor {name!r}")
 
 
@@ -348,7 +405,7 @@ def _iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     # Python ``__array_finalize__`` per view, which dominated dequantization.
     data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
     for info in g.tensors.values():
-        hf_name = gguf_to_hf_name(info.name)
+        hf_name = gguf_to_hf_name(info.name, moe=cfg.is_moe)
         t = _dequantize(g, data, info)
         if permute and ".self_attn.q_proj." in hf_name:
             t = _undo_llama_permute(t, cfg.num_attention_heads)
@@ -380,7 +437,11 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for file in _safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as e:  # SafetensorError, OSError: say which file is broken
+            raise ValueError(f"cannot read weights {file}: {type(e).__name__}: {e}") from e
+        with handle as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 

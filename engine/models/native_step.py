@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
 from engine.models.linear import BlockQuantLinear
-from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from kernels.cpu_native import CpuKernels, DecodeLayer, DecodeStepPlan
 
 
@@ -65,6 +65,8 @@ class NativeDecodeStep:
         linears: list[BlockQuantLinear] = []
         for layer, (kc, vc) in zip(model.model.layers, kv_caches, strict=True):
             assert isinstance(layer, LlamaDecoderLayer)
+            if type(layer) is not LlamaDecoderLayer or not isinstance(layer.mlp, LlamaMLP):
+                raise ValueError("Mixture-of-Experts layers are not in the native step")
             attn, mlp = layer.self_attn, layer.mlp
             parts = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
             if not all(isinstance(p, BlockQuantLinear) for p in parts):

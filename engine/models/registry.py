@@ -1,15 +1,18 @@
 """Architecture name -> model implementation.
 
 Keys are Hugging Face ``config.architectures[0]`` names plus GGUF
-``general.architecture`` names (``llama``, ``qwen2``, ``qwen3``).
+``general.architecture`` names (``llama``, ``qwen2``, ``qwen3``, ``qwen2moe``,
+``qwen3moe``, ``olmoe``; a ``llama`` GGUF with experts is Mixtral, which the
+loader names ``MixtralForCausalLM``).
 """
 
 from __future__ import annotations
 
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MoeForCausalLM
 
-# Every supported family is served by one class today; a second implementation
-# would introduce a shared base class (forward/compute_logits/load_weights).
+# Dense families are LlamaForCausalLM; the MoE ones its subclass MoeForCausalLM
+# (same forward/compute_logits/load_weights contract).
 ModelClass = type[LlamaForCausalLM]
 
 _MODELS: dict[str, ModelClass] = {
@@ -20,6 +23,13 @@ _MODELS: dict[str, ModelClass] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "OlmoeForCausalLM": MoeForCausalLM,
+    "qwen2moe": MoeForCausalLM,
+    "qwen3moe": MoeForCausalLM,
+    "olmoe": MoeForCausalLM,
 }
 
 

@@ -18,7 +18,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -28,6 +28,7 @@ from xgrammar import structural_tag as xst
 
 from engine.errors import InvalidRequestError
 from engine.sampling.params import StructuredOutputSpec
+from engine.text.tokenizer import ToolCallFormat
 
 # Limits against hostile schemas; checked before compiling (cheap) and enforced by
 # a compile timeout for what slips through (expensive shapes with small text).
@@ -255,23 +256,19 @@ class GrammarCompiler:
         self,
         tools: Sequence[Mapping[str, Any]],
         tool_choice: ToolChoice,
-        parser: str = "hermes",
+        tool_format: ToolCallFormat = "hermes",
         parallel_tool_calls: bool = True,
     ) -> StructuredOutputSpec:
-        """An EBNF spec forcing Hermes tool-call blocks whose arguments follow the schemas.
+        """A grammar spec forcing tool calls in ``tool_format`` whose arguments follow the schemas.
 
-        ``tool_choice="required"``: one or more blocks (exactly one when
-        ``parallel_tool_calls`` is false), each calling any of ``tools``;
-        ``{"type": "function", "function": {"name": N}}``: exactly one call of N.
-        Blocks are ``<tool_call>\\n{"name": "N", "arguments": ARGS}\\n</tool_call>``
-        separated by newlines; ARGS follows the function's ``parameters`` schema.
-        Errors are ``InvalidRequestError`` with ``param="tool_choice"``/``"tools"``.
+        ``tool_choice="required"``: one or more calls of any of ``tools``, at most
+        ``MAX_PARALLEL_TOOL_CALLS`` (exactly one when ``parallel_tool_calls`` is
+        false); ``{"type": "function", "function": {"name": N}}``: exactly one call
+        of N. Nothing but calls (and the format's separators) may be generated,
+        and after the last call the grammar accepts only the end of the turn, so
+        the turn ends with the calls (see ``tool_call_structure``). Errors are
+        ``InvalidRequestError`` with ``param="tool_choice"``/``"tools"``.
         """
-        if parser != "hermes":
-            raise InvalidRequestError(
-                f"forced tool calls are only supported with the hermes format, not {parser!r}",
-                param="tool_choice",
-            )
         functions: dict[str, Any] = {}
         for tool in tools:
             function = tool.get("function")
@@ -280,7 +277,7 @@ class GrammarCompiler:
             functions[function["name"]] = function.get("parameters") or {"type": "object"}
         if tool_choice == "required":
             chosen = list(functions)
-            stop_after_first = not parallel_tool_calls
+            max_calls = MAX_PARALLEL_TOOL_CALLS if parallel_tool_calls else 1
         elif isinstance(tool_choice, Mapping):
             function = tool_choice.get("function")
             name = function.get("name") if isinstance(function, Mapping) else None
@@ -290,7 +287,7 @@ class GrammarCompiler:
                     param="tool_choice",
                 )
             chosen = [name]
-            stop_after_first = True
+            max_calls = 1
         else:
             raise InvalidRequestError(
                 f"tool_choice {tool_choice!r} does not force a call", param="tool_choice"
@@ -299,26 +296,88 @@ class GrammarCompiler:
             raise InvalidRequestError("tool_choice is 'required' but tools is empty", param="tools")
         for name in chosen:
             _check_json_limits(functions[name])
-        tags = [
-            xst.TagFormat(
-                begin=f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ',
-                content=xst.JSONSchemaFormat(
-                    json_schema=functions[name], max_whitespace_cnt=MAX_JSON_WHITESPACE
-                ),
-                end="}\n</tool_call>",
-            )
-            for name in chosen
-        ]
-        tag = xst.StructuralTag(
-            format=xst.TagsWithSeparatorFormat(
-                tags=tags, separator="\n", at_least_one=True, stop_after_first=stop_after_first
-            )
+        structure = tool_call_structure(
+            tool_format, [(name, functions[name]) for name in chosen], max_calls
         )
         try:
-            grammar = xgr.Grammar.from_structural_tag(tag)
+            grammar = xgr.Grammar.from_structural_tag(xst.StructuralTag(format=structure))
         except Exception as exc:  # xgrammar raises several types for bad schemas
             raise InvalidRequestError(
                 f"cannot build a grammar from the tools' parameters: {_native_message(exc)}",
                 param="tools",
             ) from exc
         return StructuredOutputSpec(grammar=str(grammar))
+
+
+# At most this many calls in one forced (``required``) turn: the grammar's
+# guarantee that the turn ends. A small model otherwise can repeat calls until
+# max_tokens cuts one in half.
+MAX_PARALLEL_TOOL_CALLS = 8
+
+
+def tool_call_structure(
+    tool_format: ToolCallFormat, functions: Sequence[tuple[str, Any]], max_calls: int
+) -> xst.Format:
+    """The structural tag of 1..``max_calls`` calls of ``functions`` in ``tool_format``.
+
+    Each call names one function and its arguments follow that function's JSON
+    schema; calls are separated as the format separates them (and as its
+    parser in ``server/tool_parsers/`` reads them):
+
+    * hermes: ``<tool_call>\n{"name": N, "arguments": ARGS}\n</tool_call>``,
+      newline-separated; one trailing newline may follow the last call (a
+      newline alone does not commit the model to another call);
+    * llama3_json: ``{"name": N, "parameters": ARGS}``, separated by ``; ``;
+    * mistral: ``[TOOL_CALLS][{"name": N, "arguments": ARGS}, ...]`` (one array);
+    * mistral_v11: ``[TOOL_CALLS]N[ARGS]ARGS`` per call.
+    """
+
+    def args(schema: Any) -> xst.JSONSchemaFormat:
+        return xst.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+
+    def one_of(make: Callable[[str, Any], xst.Format]) -> xst.Format:
+        options = [make(name, schema) for name, schema in functions]
+        return options[0] if len(options) == 1 else xst.OrFormat(elements=options)
+
+    def calls(call: xst.Format, separator: str) -> list[xst.Format]:
+        if max_calls == 1:
+            return [call]
+        more = xst.SequenceFormat(elements=[xst.ConstStringFormat(value=separator), call])
+        return [call, xst.RepeatFormat(min=0, max=max_calls - 1, content=more)]
+
+    if tool_format == "hermes":
+        call = one_of(
+            lambda n, s: xst.TagFormat(
+                begin=f'<tool_call>\n{{"name": {json.dumps(n)}, "arguments": ',
+                content=args(s),
+                end="}\n</tool_call>",
+            )
+        )
+        tail = xst.OptionalFormat(content=xst.ConstStringFormat(value="\n"))
+        return xst.SequenceFormat(elements=[*calls(call, "\n"), tail])
+    if tool_format == "llama3_json":
+        call = one_of(
+            lambda n, s: xst.TagFormat(
+                begin=f'{{"name": {json.dumps(n)}, "parameters": ', content=args(s), end="}"
+            )
+        )
+        return xst.SequenceFormat(elements=calls(call, "; "))
+    if tool_format == "mistral":
+        call = one_of(
+            lambda n, s: xst.TagFormat(
+                begin=f'{{"name": {json.dumps(n)}, "arguments": ', content=args(s), end="}"
+            )
+        )
+        return xst.SequenceFormat(
+            elements=[
+                xst.ConstStringFormat(value="[TOOL_CALLS]["),
+                *calls(call, ", "),
+                xst.ConstStringFormat(value="]"),
+            ]
+        )
+    if tool_format == "mistral_v11":
+        call = one_of(
+            lambda n, s: xst.TagFormat(begin=f"[TOOL_CALLS]{n}[ARGS]", content=args(s), end="")
+        )
+        return xst.SequenceFormat(elements=calls(call, ""))
+    raise InvalidRequestError(f"unknown tool-call format {tool_format!r}", param="tool_choice")

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import jinja2.meta
@@ -37,6 +37,10 @@ import jinja2.sandbox
 import tokenizers
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Tool-call formats (the names of vLLM's parsers; mistral_v11 is Mistral's
+# ``[TOOL_CALLS]name[ARGS]{...}`` format from tokenizer v11 on).
+ToolCallFormat = Literal["hermes", "llama3_json", "mistral", "mistral_v11"]
 
 # Extra variables a request may pass to the chat template (``chat_template_kwargs``).
 # Everything else is refused: variables such as ``messages``, ``tools``,
@@ -302,7 +306,16 @@ class Tokenizer:
             hf = _load_gguf_tokenizer(source, cache_dir)
             extra = _extra_eos_ids(source.parent)
         elif source.is_dir():
-            hf = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+            files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+            if not any((source / f).exists() for f in files):
+                raise ValueError(
+                    f"no tokenizer in {source} (no tokenizer.json or tokenizer_config.json); "
+                    "pass --tokenizer"
+                )
+            try:
+                hf = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+            except Exception as e:  # transformers raises several types, often multi-line
+                raise ValueError(f"cannot load the tokenizer in {source}: {e}") from e
             extra = _extra_eos_ids(source) | (
                 _extra_eos_ids(model_path) if model_path.is_dir() else set()
             )
@@ -343,6 +356,35 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._chat_template
+
+    @property
+    def tool_call_format(self) -> ToolCallFormat | None:
+        """The tool-call format a prompt rendered with ``tools`` asks the model for.
+
+        ``hermes`` when the template does not read ``tools``: the renderer then
+        puts :data:`DEFAULT_TOOL_SYSTEM_PROMPT` (``<tool_call>`` blocks) in the
+        system message. For a template that renders tools itself, the format
+        its text names: ``mistral_v11`` (``[TOOL_CALLS]name[ARGS]{...}``),
+        ``mistral`` (``[TOOL_CALLS][{...}]``), ``llama3_json``
+        (``<|python_tag|>`` / ``ipython``) or ``hermes`` (``<tool_call>``);
+        None when it names none of them, or there is no template.
+        """
+        source = self._chat_template
+        if source is None:
+            return None
+        try:
+            renders_tools = self._template_uses_tools(source)
+        except ValueError:  # an invalid template: chat requests fail anyway
+            return None
+        if not renders_tools:
+            return "hermes"
+        if "[TOOL_CALLS]" in source:
+            return "mistral_v11" if "[ARGS]" in source else "mistral"
+        if "<|python_tag|>" in source or "ipython" in source:
+            return "llama3_json"
+        if "<tool_call>" in source:
+            return "hermes"
+        return None
 
     def override_chat_template(self, template: str) -> None:
         """Use ``template`` (Jinja text) instead of the model's own (``--chat-template``)."""
@@ -474,6 +516,7 @@ class Tokenizer:
         chat_template: str | None,
         template_kwargs: dict[str, Any] | None,
         escaper: _Escaper,
+        continue_final_message: bool = False,
     ) -> str:
         source = chat_template if chat_template is not None else self._chat_template
         if source is None:
@@ -511,11 +554,15 @@ class Tokenizer:
         if esc_tools is not None:
             variables["tools"] = esc_tools
         try:
-            return template.render(**variables)
+            text = template.render(**variables)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template error: {exc}") from exc
         except (TypeError, KeyError, IndexError, AttributeError, ValueError) as exc:
             raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        if continue_final_message:
+            # msgs[-1]["content"] is escaped like the rendered text, so it is found as is.
+            text = _cut_after_final_message(text, msgs[-1].get("content"))
+        return text
 
     def _new_escaper(self, messages: Any, tools: Any) -> _Escaper:
         blob = repr(messages) + repr(tools)
@@ -533,6 +580,7 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The rendered prompt text (for debugging and ``echo``); see apply_chat_template."""
         escaper = self._new_escaper(messages, tools)
@@ -543,6 +591,7 @@ class Tokenizer:
             chat_template=chat_template,
             template_kwargs=template_kwargs,
             escaper=escaper,
+            continue_final_message=continue_final_message,
         )
         return escaper.unescape(text)
 
@@ -554,6 +603,7 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Render ``messages`` with the chat template and tokenize the result.
 
@@ -564,7 +614,11 @@ class Tokenizer:
         :data:`SAFE_TEMPLATE_KWARGS`. When ``tools`` are given and the template
         does not reference ``tools``, :data:`DEFAULT_TOOL_SYSTEM_PROMPT` is put
         in the system message, and assistant ``tool_calls`` / ``tool`` messages
-        are rendered Hermes-style. Raises ``ValueError`` on any template error.
+        are rendered Hermes-style. ``continue_final_message`` (vLLM's and
+        transformers' meaning) cuts the rendered text right after the final
+        message's content, so the model continues that message instead of
+        starting a new turn; callers pass ``add_generation_prompt=False`` with it.
+        Raises ``ValueError`` on any template error.
         """
         escaper = self._new_escaper(messages, tools)
         text = self._render(
@@ -574,6 +628,7 @@ class Tokenizer:
             chat_template=chat_template,
             template_kwargs=template_kwargs,
             escaper=escaper,
+            continue_final_message=continue_final_message,
         )
         ids: list[int] = []
         pos = 0
@@ -589,6 +644,28 @@ class Tokenizer:
         if pos < len(text):
             ids.extend(self._encode_template_text(text[pos:]))
         return ids
+
+
+def _cut_after_final_message(text: str, content: Any) -> str:
+    """``text`` up to the end of the last occurrence of the final message's content.
+
+    The rule transformers applies for ``continue_final_message``: templates may
+    strip a message's surrounding whitespace, so the stripped content is looked
+    up, and the cut keeps the trailing whitespace only where the template kept it.
+    """
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a final message with text content")
+    stripped = content.strip()
+    at = text.rfind(stripped)
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the final message's content does not appear in the "
+            "rendered chat template, so it cannot be continued"
+        )
+    kept = content.lstrip()
+    if text.startswith(kept, at):
+        return text[: at + len(kept)]
+    return text[: at + len(stripped)]
 
 
 def _decoder_has(decoder: Any, kind: str) -> bool:

@@ -5,6 +5,12 @@ one batch (decodes first, as the attention contract asks), builds the
 AttentionMetadata, runs the model once, and computes logits only for rows
 that sample (the last token of a chunk that reaches the end of its sequence)
 or that need prompt logprobs.
+
+With ``moe_capacity_factor`` (Mixture-of-Experts models) it also hands the
+model a ``RoutingContext``: the capacity factor and each token's request key
+(a stable hash of its request id), so capacity ties never depend on the order
+of the batch, and reads back how many of each request's token slots the
+capacity rerouted or dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.moe_routing import RoutingContext, request_key
 from engine.models.native_step import NativeDecodeStep
 from engine.outputs import PositionLogprobs, TokenLogprob
 from engine.request import Request
@@ -34,6 +41,9 @@ class StepResult:
 
     sampled: dict[str, tuple[int, PositionLogprobs | None]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # MoE capacity: (token slots rerouted, dropped) this step, summed over layers,
+    # for the requests that had any.
+    moe_capacity: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -47,8 +57,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         kv_dtype: torch.dtype,
+        moe_capacity_factor: float | None = None,
     ) -> None:
         self.model = model
+        self.moe_capacity_factor = moe_capacity_factor
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -67,6 +79,8 @@ class ModelRunner:
         Raises:
             ValueError: the model's attention backend is not graph-safe.
         """
+        if not getattr(self.model, "supports_cuda_graphs", True):
+            raise ValueError(f"{type(self.model).__name__} does not support CUDA graphs")
         backend = attention_backend_of(self.model)
         if backend is None or not backend.graph_safe:
             name = backend.name if backend is not None else "?"
@@ -139,14 +153,20 @@ class ModelRunner:
         batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(batch)
         hidden = None
+        routing = self._routing_context(batch, positions, meta)
         if self.graphs is not None:
             hidden = self.graphs.run(input_ids, positions, meta)
         elif self.native_step is not None:
             hidden = self.native_step.run(input_ids, positions, meta)
         if hidden is None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if routing is None:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, routing)
 
         result = StepResult()
+        if routing is not None:
+            result.moe_capacity = _capacity_counts(batch, routing, meta)
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
         for i, s in enumerate(batch):
@@ -168,6 +188,17 @@ class ModelRunner:
             for req, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs):
                 result.sampled[req.request_id] = (tok, lp)
         return result
+
+    def _routing_context(
+        self, batch: Sequence[ScheduledRequest], positions: torch.Tensor, meta: AttentionMetadata
+    ) -> RoutingContext | None:
+        """The MoE capacity context of this step (None without a capacity factor)."""
+        if self.moe_capacity_factor is None:
+            return None
+        keys = torch.tensor([request_key(s.req.request_id) for s in batch], dtype=torch.int64)
+        qlens = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
+        token_keys = torch.repeat_interleave(keys, qlens).to(positions.device)
+        return RoutingContext(positions, token_keys, self.moe_capacity_factor)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, row0: int, s: ScheduledRequest, k: int
@@ -227,6 +258,19 @@ def _kv_caches(
         )
         for _ in range(num_layers)
     ]
+
+
+def _capacity_counts(
+    batch: Sequence[ScheduledRequest], routing: RoutingContext, meta: AttentionMetadata
+) -> dict[str, tuple[int, int]]:
+    """Per request: token slots the capacity rerouted / dropped this step (nonzero only)."""
+    if routing.token_rerouted is None or routing.token_dropped is None:
+        return {}
+    per_token = torch.stack([routing.token_rerouted, routing.token_dropped], dim=1)
+    bounds = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int64)
+    sums = torch.cumsum(torch.cat([per_token.new_zeros(1, 2), per_token.cpu()]), dim=0)
+    per_seq = (sums[bounds[1:]] - sums[bounds[:-1]]).tolist()
+    return {s.req.request_id: (int(r), int(d)) for s, (r, d) in zip(batch, per_seq) if r or d}
 
 
 def attention_backend_of(model: Any) -> AttentionBackend | None:

@@ -1,4 +1,5 @@
-"""One router per API: chat, completions, models (+ tokenize), health (+ metrics, debug), traces.
+"""One router per API: chat, completions, models (+ tokenize), health (+ metrics, debug), traces,
+router_api (what load-balancing routers poll: ``/get_load``).
 
 Handlers are module-level functions that take the typed ``AppState``
 (``server.state.State``) as a dependency; ``server.app.build_app`` includes

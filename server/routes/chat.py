@@ -22,7 +22,7 @@ from server.generation import (
     request_options,
     sampling_params,
 )
-from server.logprobs import chat_logprobs
+from server.logprobs import chat_logprobs, prompt_logprobs_json
 from server.prompts import render_chat, template_kwargs
 from server.protocol import ChatCompletionRequest
 from server.state import State, request_id
@@ -48,7 +48,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     messages = [m.to_template_dict() for m in body.messages]
     offered = plan.tools if plan is not None and plan.tools else None
     prompt_ids = await render_chat(
-        engine, messages, body.add_generation_prompt, kwargs, tools=offered
+        engine,
+        messages,
+        body.add_generation_prompt,
+        kwargs,
+        tools=offered,
+        continue_final_message=body.continue_final_message,
     )
     budget = output_budget(
         body.output_budget(), len(prompt_ids), engine.max_model_len, "the messages"
@@ -58,7 +63,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         body,
         max_tokens=budget,
         logprobs=top_k if body.logprobs else None,
-        prompt_logprobs=None,
+        prompt_logprobs=body.prompt_logprobs,
         vocab_size=engine.tokenizer.vocab_size,
         structured=plan.structured if plan is not None else None,
     )
@@ -81,6 +86,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     if body.echo and body.messages[-1].role == "assistant":
         echo_prefix = body.messages[-1].text()
     fmt = ChatFormat(engine.tokenizer, body, plan, echo_prefix, top_k)
+    first = generation.streams[0].first
+    if body.prompt_logprobs is not None and first is not None:
+        fmt.prompt_logprobs = prompt_logprobs_json(
+            engine.tokenizer, prompt_ids, first.prompt_logprobs or [], body.prompt_logprobs
+        )
     if body.stream:
         return generation.stream(fmt)
     return await generation.answer(request, fmt)
@@ -112,6 +122,10 @@ class ChatFormat(ChoiceFormat):
         self.parsers: dict[int, ToolStreamParser] = {}
         self.has_calls: set[int] = set()
         self.sent_calls: dict[int, list[ToolCallDelta]] = {}  # validated at finish
+        self.prompt_logprobs: list[JsonValue] | None = None  # vLLM's, when asked
+
+    def final_fields(self) -> JsonObject:
+        return {} if self.prompt_logprobs is None else {"prompt_logprobs": self.prompt_logprobs}
 
     def _logprobs(self, positions: list[PositionLogprobs]) -> JsonValue:
         if not self.want_logprobs:
@@ -138,11 +152,9 @@ class ChatFormat(ChoiceFormat):
         parser = self.parsers[index]
         pieces = [parser.feed(d.delta_text)] if d.delta_text else []
         if finish is not None:
-            pieces.append(parser.finish())
+            pieces.append(parser.finish(self._drop_incomplete(finish)))
         content = "".join(p.content for p in pieces)
         calls = [c for p in pieces for c in p.tool_calls]
-        if self.plan is not None and not self.plan.parallel:
-            calls = [c for c in calls if c.index == 0]
         if content:
             delta["content"] = content
         if calls:
@@ -175,17 +187,34 @@ class ChatFormat(ChoiceFormat):
             choice["stop_reason"] = delta.stop_reason
         return choice
 
+    def _drop_incomplete(self, finish: str) -> bool:
+        """Whether a call block the text ends inside is dropped rather than made content.
+
+        A forced turn is calls only (the grammar allows nothing else), and a call
+        cut off by ``max_tokens`` is no call: either way a half call is neither
+        returned nor left as raw markup in ``content``; ``finish_reason`` says
+        ``length``.
+        """
+        return finish == "length" or (self.plan is not None and self.plan.forced)
+
     def _message(self, text: str, finish: str | None) -> tuple[JsonObject, str]:
-        """``message`` and ``finish_reason`` of a finished choice, tool calls parsed out."""
+        """``message`` and ``finish_reason`` of a finished choice, tool calls parsed out.
+
+        Every call the model generated is returned (``parallel_tool_calls: false``
+        is the grammar's to enforce, never a truncation here).
+        """
         message: JsonObject = {"role": "assistant", "content": text, "refusal": None}
         reason = finish or "stop"
         plan = self.plan
         if plan is not None and plan.parser is not None:
-            parsed = plan.parser.parse(text)
-            calls = parsed.tool_calls if plan.parallel else parsed.tool_calls[:1]
+            parsed = plan.parser.parse(text, drop_incomplete=self._drop_incomplete(reason))
+            # A forced turn has no content (the grammar allows calls only); nor has a
+            # cut-off turn whose only text was the dropped half call.
+            dropped = self._drop_incomplete(reason)
+            message["content"] = (parsed.content or None) if dropped else parsed.content
+            calls = parsed.tool_calls
             if calls:
                 log_invalid_calls(calls, plan.tools)
-                message["content"] = parsed.content
                 message["tool_calls"] = [tool_call_json(call) for call in calls]
                 if reason == "stop":
                     reason = "tool_calls"

@@ -22,7 +22,11 @@ from server.generation import (
     request_options,
     sampling_params,
 )
-from server.logprobs import completion_logprobs, merge_completion_logprobs
+from server.logprobs import (
+    completion_logprobs,
+    merge_completion_logprobs,
+    prompt_logprobs_json,
+)
 from server.prompts import completion_prompts
 from server.protocol import CompletionRequest
 from server.state import State, request_id
@@ -44,7 +48,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
             body,
             max_tokens=budget,
             logprobs=body.logprobs,
-            prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+            prompt_logprobs=_prompt_logprobs(body),
             vocab_size=engine.tokenizer.vocab_size,
         )
         requests.append((f"{rid_base}-{suffix}-{i}", ids, params))
@@ -77,12 +81,21 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     return await generation.answer(request, fmt)
 
 
+def _prompt_logprobs(body: CompletionRequest) -> int | None:
+    """How many alternatives prompt tokens need: for echo + logprobs and for vLLM's field."""
+    wanted = [body.prompt_logprobs]
+    if body.echo and body.logprobs is not None:
+        wanted.append(body.logprobs)
+    known = [k for k in wanted if k is not None]
+    return max(known) if known else None
+
+
 class CompletionFormat(ChoiceFormat):
     """Completion choices: ``text`` (after the echoed prompt) and columnar logprobs."""
 
     object_name = "text_completion"
     chunk_object_name = "text_completion"
-    null_usage_in_chunks = True
+    null_usage_in_chunks = False  # CreateCompletionResponse has no nullable usage
 
     def __init__(
         self,
@@ -96,6 +109,8 @@ class CompletionFormat(ChoiceFormat):
         self.n = body.n
         self.echo = body.echo
         self.logprobs = body.logprobs  # None: no logprobs; k: the top k alternatives
+        self.want_prompt_logprobs = body.prompt_logprobs is not None
+        self.prompt_top_k = body.prompt_logprobs or 0
         self.top_k = body.logprobs or 0
         self.prompts = prompts
         self.echo_texts = echo_texts
@@ -171,10 +186,18 @@ class CompletionFormat(ChoiceFormat):
             )
             parts.append(part)
             lp = merge_completion_logprobs(parts)
-        return {
+        out: JsonObject = {
             "index": choice.index,
             "text": self.echo_texts[si] + "".join(choice.text),
             "logprobs": lp,
             "finish_reason": choice.finish_reason or "stop",
             "stop_reason": choice.stop_reason,
         }
+        if self.want_prompt_logprobs:  # vLLM puts them on each choice
+            out["prompt_logprobs"] = prompt_logprobs_json(
+                self.tok,
+                self.prompts[si],
+                self.prompt_logprobs[si] or [],
+                self.prompt_top_k,
+            )
+        return out

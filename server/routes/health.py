@@ -14,6 +14,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from engine.client import JsonObject
 from server import __version__
 from server.errors import ApiError, draining_error, error_response, retry_after
 from server.state import State
@@ -22,7 +23,36 @@ router = APIRouter()
 debug_router = APIRouter()
 
 
-@router.get("/health")
+# The error envelope, for the OpenAPI document (server/errors.py builds it).
+_ERROR_ENVELOPE: JsonObject = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+@router.get(
+    "/health",
+    response_class=Response,  # 200 has no body (as vLLM's): declared without content
+    responses={
+        200: {"description": "The engine is ready (empty body)."},
+        503: {
+            "description": "Loading, failed to load, or draining (with Retry-After).",
+            "content": {"application/json": {"schema": _ERROR_ENVELOPE}},
+        },
+    },
+)
 async def health(state: State) -> Response:
     if state.front.draining:
         return error_response(draining_error())

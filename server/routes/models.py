@@ -59,6 +59,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
             [m.to_template_dict() for m in body.messages],
             body.add_generation_prompt,
             template_kwargs(body.chat_template_kwargs),
+            continue_final_message=body.continue_final_message,
         )
     else:
         assert body.prompt is not None  # the model validator guarantees one of them

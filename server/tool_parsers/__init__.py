@@ -1,7 +1,8 @@
 """Tool-call parsers: turn a model's raw text into OpenAI ``tool_calls``.
 
-``get_tool_parser(name, tools=...)`` returns a parser; ``infer_tool_parser`` picks a
-name from the model's chat template. See ``base`` for the exactness contract.
+``get_tool_parser(name, tools=...)`` returns a parser (which one a model needs comes
+from its chat template: ``ClientTokenizer.tool_call_format``). See ``base`` for the
+exactness contract.
 """
 
 from __future__ import annotations
@@ -51,16 +52,6 @@ def get_tool_parser(
     return cls(tools, id_generator=id_generator)
 
 
-def infer_tool_parser(chat_template: str | None) -> str:
-    """Guess the format from the chat template: mistral, llama3_json, else hermes."""
-    if chat_template:
-        if "[TOOL_CALLS]" in chat_template:
-            return MistralToolParser.name
-        if "<|python_tag|>" in chat_template or "ipython" in chat_template:
-            return Llama3JsonToolParser.name
-    return HermesToolParser.name
-
-
 __all__ = [
     "TOOL_PARSERS",
     "IdGenerator",
@@ -72,7 +63,6 @@ __all__ = [
     "ToolStreamParser",
     "assemble",
     "get_tool_parser",
-    "infer_tool_parser",
     "random_call_id",
     "sequential_ids",
     "validate_tool_calls",

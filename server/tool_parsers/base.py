@@ -18,6 +18,9 @@ Contract (all parsers):
   ``ensure_ascii=False``), identically in both paths.
 * Malformed output (unterminated block, invalid JSON, unknown function name, wrong
   shape) is never an error: the offending block falls back to plain content.
+  Except, with ``finish(drop_incomplete=True)``, a block the text ends inside
+  (cut off by ``max_tokens``, or any unfinished call of a forced turn) is
+  dropped: a half call is neither a call nor content.
 * Whitespace between a tool-call block and the next block, the start or the end
   of the text is dropped (it is the model's separator, not content); whitespace
   between a block and later content is kept, so words never get glued together;
@@ -223,6 +226,11 @@ class ToolStreamParser(ABC):
         self._n_calls = 0
         self._out_content: list[str] = []
         self._out_calls: list[ToolCallDelta] = []
+        self._drop_incomplete = False  # set by finish()
+
+    def _drop_rest(self) -> None:
+        """Discard the undecided text from ``_pos`` on (an incomplete block at the end)."""
+        self._pos = len(self._buf)
 
     def feed(self, text_chunk: str) -> StreamDelta:
         """Add generated text; return what can now be emitted for certain."""
@@ -232,10 +240,16 @@ class ToolStreamParser(ABC):
         self._advance(final=False)
         return self._take()
 
-    def finish(self) -> StreamDelta:
-        """The response ended: resolve everything still held back."""
+    def finish(self, drop_incomplete: bool = False) -> StreamDelta:
+        """The response ended: resolve everything still held back.
+
+        ``drop_incomplete``: a call block the text ends inside (cut off by
+        ``max_tokens``, or any text of a grammar-forced turn) is dropped
+        instead of becoming content: no half call, no raw markup in content.
+        """
         if self._finished:
             raise RuntimeError("finish() called twice")
+        self._drop_incomplete = drop_incomplete
         self._advance(final=True)
         if not self._after_call:  # whitespace after the last call is a separator
             self._out_content.append(self._pending_ws)
@@ -300,10 +314,16 @@ class ToolParser(ABC):
     def stream(self, id_generator: IdGenerator | None = None) -> ToolStreamParser:
         """A fresh incremental parser (``id_generator`` overrides the parser's)."""
 
-    def parse(self, text: str, id_generator: IdGenerator | None = None) -> ParsedMessage:
+    def parse(
+        self,
+        text: str,
+        id_generator: IdGenerator | None = None,
+        *,
+        drop_incomplete: bool = False,
+    ) -> ParsedMessage:
         """Parse a complete response; same result as streaming it in any chunking."""
         parser = self.stream(id_generator)
-        deltas = [parser.feed(text), parser.finish()]
+        deltas = [parser.feed(text), parser.finish(drop_incomplete)]
         return assemble(deltas)
 
 

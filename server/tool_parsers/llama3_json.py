@@ -46,7 +46,18 @@ class Llama3JsonStreamParser(ToolStreamParser):
         self._state = _CONTENT
         self._scanner = None
 
+    def _incomplete(self) -> None:
+        """The text ended inside an object: content, or nothing when dropping incomplete calls."""
+        if not self._drop_incomplete:
+            self._fail()
+            return
+        self._drop_rest()
+        self._state = _CONTENT
+        self._scanner = None
+
     def _advance(self, final: bool) -> None:
+        # Over 80 lines on purpose: one loop over the states of one machine, a branch
+        # per state, reads better in one place than split across helpers.
         buf = self._buf
         while True:
             if self._state == _START:
@@ -63,10 +74,14 @@ class Llama3JsonStreamParser(ToolStreamParser):
                 k = buf.find(PYTHON_TAG, self._pos)
                 if k < 0:
                     rest = buf[self._pos :]
-                    hold = 0 if final else held_prefix_len(rest, PYTHON_TAG)
+                    hold = held_prefix_len(rest, PYTHON_TAG)
+                    if final and not self._drop_incomplete:
+                        hold = 0  # a tag's beginning at the very end is text
                     self._emit_content(rest[: len(rest) - hold])
                     self._pos = len(buf) - hold
                     self._compact()
+                    if final:
+                        self._drop_rest()
                     return
                 self._emit_content(buf[self._pos : k])
                 self._pos = k
@@ -82,7 +97,7 @@ class Llama3JsonStreamParser(ToolStreamParser):
                     if not final:
                         return
                     if self._first:
-                        self._fail()
+                        self._incomplete()
                         continue
                     self._pos = i  # a trailing ";" after the last call: nothing left
                     return
@@ -97,7 +112,10 @@ class Llama3JsonStreamParser(ToolStreamParser):
                 end = self._scanner.scan(buf)
                 if end is None and not final:
                     return
-                if end is None or end == JsonExtentScanner.FAILED:
+                if end is None:
+                    self._incomplete()
+                    continue
+                if end == JsonExtentScanner.FAILED:
                     self._fail()
                     continue
                 try:

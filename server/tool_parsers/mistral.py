@@ -1,6 +1,7 @@
-"""Mistral format: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+"""Mistral formats: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` and v11's
+``[TOOL_CALLS]name[ARGS]{...}`` (one call per ``[TOOL_CALLS]``).
 
-The pre-v11 JSON-array format; the array (or a single object) is all-or-nothing:
+In the pre-v11 JSON-array format the array (or a single object) is all-or-nothing:
 if any element is invalid the whole block falls back to content.
 """
 
@@ -24,7 +25,7 @@ def _convert(value: Any, names: frozenset[str] | None) -> list[tuple[str, str]] 
 
 
 class MistralToolParser(ToolParser):
-    """``[TOOL_CALLS]`` followed by a JSON array of calls (or one call object)."""
+    """``[TOOL_CALLS]`` then a JSON array of calls (or one call object), or ``name[ARGS]{...}``."""
 
     name = "mistral"
 
@@ -36,4 +37,5 @@ class MistralToolParser(ToolParser):
             openers="[{",
             end_marker="",
             convert=_convert,
+            args_marker="[ARGS]",
         )
