@@ -21,7 +21,11 @@ from engine.attention.cpu_backend import CpuNativeAttentionBackend
 from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.kv.block_pool import KVBlock
+from engine.kv.builder import build_hierarchy
+from engine.kv.format import PlainKVFormat
 from engine.kv.manager import KVCacheManager
+from engine.kv.transfer import KVTransferExecutor
 from engine.models.loader import load_model, load_model_config, resolve_model_path
 from engine.models.ops import NativeCpuModelOps
 from engine.output_processor import (
@@ -78,6 +82,8 @@ class EngineInfo:
     num_blocks: int
     block_size: int
     max_model_len: int
+    num_host_blocks: int = 0
+    disk_tier_path: str | None = None
 
 
 class LLMEngine:
@@ -132,7 +138,24 @@ class LLMEngine:
             # The Triton kernels are written for a cache in the model's dtype.
             raise ValueError("--kv-cache-dtype other than the model's dtype is CPU-only")
         num_blocks = self._num_blocks(device, kv_dtype, max_len)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_format = PlainKVFormat(
+            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
+        )
+        hierarchy = build_hierarchy(
+            config,
+            kv_format,
+            device,
+            path,
+            {
+                "dtype": str(dtype),
+                "device": device.type,
+                "cpu_linear": config.cpu_linear,
+                "attention": backend.name,
+            },
+        )
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, hierarchy=hierarchy
+        )
         self.scheduler = Scheduler(config, self.kv, max_len, clock=clock)
         self.runner = ModelRunner(
             self.model,
@@ -143,12 +166,30 @@ class LLMEngine:
             config.block_size,
             device,
             kv_dtype,
+            kv_format,
         )
+        self.transfers: KVTransferExecutor | None = None
+        if hierarchy is not None:
+            self.transfers = KVTransferExecutor(
+                kv_format, self.runner.kv_caches, hierarchy, device
+            )
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(max_len)
         # The served name: what the user passed (as vLLM does), or the default model's name.
         name = config.model if config.model is not None else DEFAULT_MODEL_NAME
-        self.info = EngineInfo(path, name, device, dtype, num_blocks, config.block_size, max_len)
+        self.info = EngineInfo(
+            path,
+            name,
+            device,
+            dtype,
+            num_blocks,
+            config.block_size,
+            max_len,
+            num_host_blocks=hierarchy.host.capacity_blocks if hierarchy is not None else 0,
+            disk_tier_path=(
+                str(hierarchy.disk.root) if hierarchy is not None and hierarchy.disk else None
+            ),
+        )
         self.groups: dict[str, GroupState] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
         self._grammar: GrammarCompiler | None = None
@@ -246,7 +287,8 @@ class LLMEngine:
             f"model={i.model_path} dtype={str(i.dtype).removeprefix('torch.')} device={i.device} "
             f"kv_blocks={i.num_blocks} block_size={i.block_size} "
             f"kv_tokens={i.num_blocks * i.block_size} max_model_len={i.max_model_len} "
-            f"attention={self.model_backend_name()}"
+            f"attention={self.model_backend_name()} host_kv_blocks={i.num_host_blocks} "
+            f"disk_kv_tier={i.disk_tier_path or 'off'}"
         )
 
     def _capture_decode_graphs(self, max_len: int) -> None:
@@ -411,9 +453,11 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------
     def step(self) -> list[tuple[GroupState, RequestOutput]]:
+        self.kv.poll_transfers()
         sched = self.scheduler.schedule()
         if self.tracer.enabled:
             self._trace_schedule(sched, self.clock())
+        self._run_kv_transfers()
         if not sched.scheduled:
             self._refresh_stats()
             return []
@@ -440,6 +484,70 @@ class LLMEngine:
             self.scheduler.check_invariants()
         self._refresh_stats()
         return outputs
+
+    def _run_kv_transfers(self) -> None:
+        """This step's tier copies (demotions, promotions, swaps), batched, before its forward."""
+        plan = self.kv.take_transfers()
+        if plan is None:
+            return
+        assert self.transfers is not None
+        self.transfers.run(plan)
+
+    # ---- KV tiers -------------------------------------------------------
+    def flush_kv_tiers(self) -> int:
+        """Write every cached KV block not yet on the disk tier (host tier and
+        device prefix cache) and wait for the disk writer; returns the number
+        of blocks written now. The server calls it while draining (shutdown),
+        so a graceful restart finds every cached prefix. A no-op without a
+        disk tier. Engine thread only, between steps."""
+        hierarchy = self.kv.hierarchy
+        if hierarchy is None or hierarchy.disk is None or self.transfers is None:
+            return 0
+        cached = self.kv.cached_device_blocks()
+        transfers = self.transfers
+        t0 = time.perf_counter()
+        n = hierarchy.flush(
+            [m for _, m in cached], lambda: transfers.read_device_blocks([b for b, _ in cached])
+        )
+        logger.info(
+            "flushed %d KV blocks to the disk tier in %.2f s", n, time.perf_counter() - t0
+        )
+        self._refresh_stats()
+        return n
+
+    def close(self) -> None:
+        """Flush the KV tiers and stop their writer thread (the engine stays usable
+        only without a disk tier)."""
+        self.flush_kv_tiers()
+        if self.kv.hierarchy is not None:
+            self.kv.hierarchy.close()
+
+    def rerotate_blocks(self, block_ids: Sequence[int], new_positions: Sequence[Sequence[int]]) -> None:
+        """Move the keys of ``block_ids`` to ``new_positions`` (``block_size`` each).
+
+        Re-rotates every layer's keys by the position delta from the positions
+        each block records (``KVBlock.positions``), then records the new ones.
+        For KV policies that keep a sequence's tokens at other positions (sinks,
+        segment reuse). Only a block one request owns may move: a block in the
+        prefix cache is shared at its own positions (raises ValueError).
+        """
+        bs = self.config.block_size
+        blocks: list[KVBlock] = [self.kv.pool.blocks[b] for b in block_ids]
+        for b, pos in zip(blocks, new_positions):
+            if b.block_hash is not None or b.ref_count != 1:
+                raise ValueError(f"KV block {b.block_id} is shared or cached: its positions stay")
+            if b.positions is None or len(pos) != bs:
+                raise ValueError(f"KV block {b.block_id}: {bs} positions needed, recorded and new")
+        if not blocks:
+            return
+        old = torch.tensor([list(b.positions or ()) for b in blocks], dtype=torch.long)
+        new = torch.tensor([list(p) for p in new_positions], dtype=torch.long)
+        cos_sin = self.model.model.rotary_emb.cos_sin_cache
+        self.runner.kv_format.rerotate_keys(
+            self.runner.kv_caches, torch.tensor(list(block_ids), dtype=torch.long), old, new, cos_sin
+        )
+        for b, pos in zip(blocks, new_positions):
+            b.positions = tuple(pos)
 
     def _process(
         self, sched: SchedulerOutput, result: StepResult, now: float
@@ -547,9 +655,13 @@ class LLMEngine:
         s = self.stats
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
-        s.num_preempted_waiting = sum(
-            1 for r in self.scheduler.waiting if r.status is RequestStatus.PREEMPTED
-        )
+        preempted = swapped = 0
+        for r in self.scheduler.waiting:
+            if r.status is RequestStatus.PREEMPTED:
+                preempted += 1
+                swapped += bool(r.swapped_blocks)
+        s.num_preempted_waiting = preempted
+        s.kv_tiers = self.kv.tier_snapshot(swapped)
         s.kv_cache_usage = self.kv.usage
         s.num_free_blocks = self.kv.num_free_blocks
         s.num_preemptions = self.scheduler.num_preemptions

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.kv.format import KVFormat, PlainKVFormat
 from engine.outputs import PositionLogprobs, TokenLogprob
 from engine.request import Request
 from engine.sampling.sampler import GrammarMaskFn, Sampler, SamplerOutput
@@ -45,19 +46,19 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         kv_dtype: torch.dtype,
+        kv_format: KVFormat | None = None,
     ) -> None:
+        """The KV caches are allocated by ``kv_format`` (engine/kv/format.py;
+        default: plain ``kv_dtype`` blocks), which also moves blocks in and out
+        of them for the KV tiers."""
         self.model = model
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=kv_dtype, device=device),
-                torch.zeros(shape, dtype=kv_dtype, device=device),
-            )
-            for _ in range(num_layers)
-        ]
+        self.kv_format = kv_format or PlainKVFormat(
+            num_layers, block_size, num_kv_heads, head_dim, kv_dtype
+        )
+        self.kv_caches = self.kv_format.allocate(num_blocks, device)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
 
