@@ -67,7 +67,9 @@ class EngineConfig:
         minimum=0.0,
     )
     num_host_blocks_override: int | None = setting(
-        None, "Force the number of host-tier KV blocks (instead of --kv-offloading-size).", minimum=1
+        None,
+        "Force the number of host-tier KV blocks (instead of --kv-offloading-size).",
+        minimum=1,
     )
     kv_offloading_disk_path: str | None = setting(
         None,
@@ -144,7 +146,9 @@ class EngineConfig:
                 "blocks reach the disk tier through it"
             )
         if self.preemption_mode == "swap" and not host:
-            raise ValueError("--preemption-mode swap needs the host tier (--kv-offloading-size > 0)")
+            raise ValueError(
+                "--preemption-mode swap needs the host tier (--kv-offloading-size > 0)"
+            )
 
     @property
     def host_tier_enabled(self) -> bool:

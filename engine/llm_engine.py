@@ -170,9 +170,7 @@ class LLMEngine:
         )
         self.transfers: KVTransferExecutor | None = None
         if hierarchy is not None:
-            self.transfers = KVTransferExecutor(
-                kv_format, self.runner.kv_caches, hierarchy, device
-            )
+            self.transfers = KVTransferExecutor(kv_format, self.runner.kv_caches, hierarchy, device)
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(max_len)
         # The served name: what the user passed (as vLLM does), or the default model's name.
@@ -509,9 +507,7 @@ class LLMEngine:
         n = hierarchy.flush(
             [m for _, m in cached], lambda: transfers.read_device_blocks([b for b, _ in cached])
         )
-        logger.info(
-            "flushed %d KV blocks to the disk tier in %.2f s", n, time.perf_counter() - t0
-        )
+        logger.info("flushed %d KV blocks to the disk tier in %.2f s", n, time.perf_counter() - t0)
         self._refresh_stats()
         return n
 
@@ -522,7 +518,9 @@ class LLMEngine:
         if self.kv.hierarchy is not None:
             self.kv.hierarchy.close()
 
-    def rerotate_blocks(self, block_ids: Sequence[int], new_positions: Sequence[Sequence[int]]) -> None:
+    def rerotate_blocks(
+        self, block_ids: Sequence[int], new_positions: Sequence[Sequence[int]]
+    ) -> None:
         """Move the keys of ``block_ids`` to ``new_positions`` (``block_size`` each).
 
         Re-rotates every layer's keys by the position delta from the positions
@@ -544,7 +542,11 @@ class LLMEngine:
         new = torch.tensor([list(p) for p in new_positions], dtype=torch.long)
         cos_sin = self.model.model.rotary_emb.cos_sin_cache
         self.runner.kv_format.rerotate_keys(
-            self.runner.kv_caches, torch.tensor(list(block_ids), dtype=torch.long), old, new, cos_sin
+            self.runner.kv_caches,
+            torch.tensor(list(block_ids), dtype=torch.long),
+            old,
+            new,
+            cos_sin,
         )
         for b, pos in zip(blocks, new_positions):
             b.positions = tuple(pos)
@@ -615,7 +617,7 @@ class LLMEngine:
 
     def _trace_schedule(self, sched: SchedulerOutput, now: float) -> None:
         for r in sched.preempted:
-            self.tracer.on_preempted(r.request_id, now)
+            self.tracer.on_preempted(r.request_id, now, "swap" if r.swapped_blocks else "recompute")
         for s in sched.scheduled:
             self.tracer.on_scheduled(s.req.request_id, now)
 
@@ -628,7 +630,9 @@ class LLMEngine:
                 self.tracer.on_decode_step(rid, ms, len(scheduled))
             else:
                 if s.start == s.req.num_cached_tokens and s.req.num_cached_tokens:
-                    self.tracer.on_prefix_hit(rid, s.req.num_cached_tokens)
+                    self.tracer.on_prefix_hit(
+                        rid, s.req.num_cached_tokens, s.req.cached_tokens_by_tier
+                    )
                 self.tracer.on_prefill_chunk(rid, s.num_new_tokens, s.start, ms)
             self.tracer.on_blocks(rid, len(s.req.block_ids))
 

@@ -88,6 +88,8 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    # ... and how many of them each KV tier served ("device", "host", "disk").
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     # Prompt positions 0..num_prompt_logprobs-1 have their logprobs computed and
     # handed to the output (position 0 has none: nothing predicts it). Only the
     # request that reports them (choice 0 of a group that asked) tracks this.

@@ -76,7 +76,9 @@ def _check(
     cos_sin: torch.Tensor,
 ) -> None:
     if k_cache.dim() != 4:
-        raise ValueError(f"k_cache must be [blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache must be [blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}"
+        )
     n = slots.shape[0]
     if slots.dim() != 1 or old_positions.shape != (n,) or new_positions.shape != (n,):
         raise ValueError("slots, old_positions and new_positions must be [N] alike")

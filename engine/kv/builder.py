@@ -53,9 +53,7 @@ def build_hierarchy(
     host = HostTier(blocks, fmt.block_nbytes, pin_memory=cuda)
     disk: DiskTier | None = None
     if config.kv_offloading_disk_path is not None:
-        fp = model_fingerprint(
-            model_path, {**fingerprint_settings, "kv_format": fmt.describe()}
-        )
+        fp = model_fingerprint(model_path, {**fingerprint_settings, "kv_format": fmt.describe()})
         try:
             disk = DiskTier(
                 Path(config.kv_offloading_disk_path),
@@ -65,9 +63,5 @@ def build_hierarchy(
                 fp,
             )
         except OSError as e:
-            logger.warning(
-                "KV disk tier off: cannot use %s: %s", config.kv_offloading_disk_path, e
-            )
-    return KVHierarchy(
-        host, disk, async_copies=cuda, write_queue_blocks=config.kv_disk_write_queue
-    )
+            logger.warning("KV disk tier off: cannot use %s: %s", config.kv_offloading_disk_path, e)
+    return KVHierarchy(host, disk, async_copies=cuda, write_queue_blocks=config.kv_disk_write_queue)

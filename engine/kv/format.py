@@ -69,7 +69,9 @@ class KVFormat(ABC):
         """``[n, block_nbytes]`` uint8 (caches' device): the bytes of ``block_ids`` (int64)."""
 
     @abstractmethod
-    def write_blocks(self, caches: LayerCaches, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+    def write_blocks(
+        self, caches: LayerCaches, block_ids: torch.Tensor, data: torch.Tensor
+    ) -> None:
         """Overwrite blocks ``block_ids`` with rows of ``data`` (``[n, block_nbytes]`` uint8)."""
 
     @abstractmethod
@@ -149,7 +151,9 @@ class PlainKVFormat(KVFormat):
         out = torch.stack(parts, dim=1) if parts else torch.empty((n, 0), dtype=self.dtype)
         return out.reshape(n, -1).view(torch.uint8)
 
-    def write_blocks(self, caches: LayerCaches, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+    def write_blocks(
+        self, caches: LayerCaches, block_ids: torch.Tensor, data: torch.Tensor
+    ) -> None:
         self._check(caches)
         n = int(block_ids.shape[0])
         if data.dtype != torch.uint8 or tuple(data.shape) != (n, self.block_nbytes):

@@ -178,7 +178,7 @@ class KVHierarchy:
             e = self.host.reserve(stored)
             if e is None:
                 break
-            e.on_disk = True
+            e.on_disk = e.from_disk = True
             entries.append(e)
             rows.append(data)
         if entries:
@@ -222,14 +222,12 @@ class KVHierarchy:
     def promote(self, e: HostEntry, block_id: int) -> None:
         """Copy host entry ``e`` into device block ``block_id`` this step."""
         self.host.pin(e)
-        self.host.touch(e)
         self._plan.host_to_device.append((e, block_id))
+        e.from_disk = False
         self.counters.promoted += 1
         self.host.counters.read += 1
 
-    def swap_out(
-        self, blocks: Sequence[tuple[int, BlockMeta, bool]]
-    ) -> list[HostEntry] | None:
+    def swap_out(self, blocks: Sequence[tuple[int, BlockMeta, bool]]) -> list[HostEntry] | None:
         """Park ``(device block id, meta, private)`` blocks in the host tier,
         pinned for their request; None (nothing changed) when the host cannot
         take them all."""
@@ -328,7 +326,9 @@ class KVHierarchy:
         self.poll()
 
     # ---- persistence ------------------------------------------------------------
-    def flush(self, device_blocks: Sequence[BlockMeta], read_device: Callable[[], torch.Tensor]) -> int:
+    def flush(
+        self, device_blocks: Sequence[BlockMeta], read_device: Callable[[], torch.Tensor]
+    ) -> int:
         """Write every cached block not yet on disk: first the host tier's, then
         ``device_blocks`` (their bytes from ``read_device()``, in order). Blocks
         until the writer queue is empty too. Returns the number written now."""

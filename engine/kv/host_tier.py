@@ -42,6 +42,9 @@ class HostEntry(KVBlock):
 
     private: bool = False  # dropped when unpinned (never looked up by content)
     on_disk: bool = False  # a copy is known to be on the disk tier
+    # Staged from the disk tier and not promoted since: a hit on it is a disk hit
+    # (a request may find blocks staged by an earlier admission attempt).
+    from_disk: bool = False
 
     @property
     def key(self) -> bytes:

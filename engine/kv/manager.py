@@ -146,8 +146,10 @@ class KVCacheManager:
             key = req.block_hashes[i]
             tokens = req.all_token_ids[i * bs : (i + 1) * bs]
             block = self.pool.lookup(key, tokens)
-            found = block if block is not None else (
-                below.locate(key, tokens) if below is not None else False
+            found = (
+                block
+                if block is not None
+                else (below.locate(key, tokens) if below is not None else False)
             )
             if found is False:
                 break
@@ -157,7 +159,12 @@ class KVCacheManager:
                 disk_meta.append(BlockMeta(key, tuple(tokens), self._positions(i)))
             else:
                 sources.append(found)
-            origins.append("device" if block is not None else "host" if found is not True else "disk")
+            if block is not None:
+                origins.append("device")
+            elif isinstance(found, HostEntry) and not found.from_disk:
+                origins.append("host")
+            else:
+                origins.append("disk")
         if disk_at and below is not None:
             # Pin this hit's host entries while staging, so that staging cannot
             # evict them; released at once (nothing runs in between until
@@ -195,6 +202,7 @@ class KVCacheManager:
         device = hit.tokens_from("device", bs)
         host = hit.tokens_from("host", bs)
         disk = hit.tokens_from("disk", bs)
+        req.cached_tokens_by_tier = {"device": device, "host": host, "disk": disk}
         self.prefix_queries += req.num_tokens
         self.prefix_hits += device
         self.hits_by_tier["device"] += device
@@ -204,7 +212,9 @@ class KVCacheManager:
             self.hierarchy.record_query(req.num_tokens - device, host, disk)
 
     # ---- allocation ---------------------------------------------------
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: PrefixHit | None = None) -> bool:
+    def can_allocate(
+        self, req: Request, num_new_tokens: int, cached: PrefixHit | None = None
+    ) -> bool:
         hit = cached or PrefixHit()
         need = self.blocks_needed(req.num_computed_tokens + hit.num_tokens + num_new_tokens)
         on_device = hit.device_blocks
@@ -396,9 +406,7 @@ class KVCacheManager:
         out: list[tuple[int, BlockMeta]] = []
         for b in self.pool.cached_blocks():
             if b.block_hash is not None and b.token_ids is not None:
-                out.append(
-                    (b.block_id, BlockMeta(b.block_hash, b.token_ids, b.positions or ()))
-                )
+                out.append((b.block_id, BlockMeta(b.block_hash, b.token_ids, b.positions or ())))
         return out
 
     # ---- observability ------------------------------------------------------

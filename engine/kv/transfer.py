@@ -50,7 +50,7 @@ class KVTransferExecutor:
         self.device = device
         self._stream: torch.cuda.Stream | None = None
         if device.type == "cuda" and hierarchy.async_copies:
-            self._stream = torch.cuda.Stream(device=device)
+            self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
     def run(self, plan: TransferPlan) -> None:
         """Run ``plan`` (device->host first, then host->device), then tell the hierarchy."""
@@ -93,7 +93,7 @@ class KVTransferExecutor:
                 on_device = staged.to(self.device, non_blocking=True)
                 ids_device = ids_pinned.to(self.device, non_blocking=True)
                 self.fmt.write_blocks(self.caches, ids_device, on_device)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
             plan.ticket.bind(event.query, event.synchronize, (staged, ids_pinned, on_device))
         self.hierarchy.seconds[CPU_TO_GPU] += time.perf_counter() - t0
