@@ -113,7 +113,7 @@ def smollm() -> Model:
         cases=tuple(make_cases(11, 4, (300, 20000), max_prompt=40, max_tokens=6)),
         # Small blocks, so that decodes cross block boundaries in a full pool.
         preempt={"num_gpu_blocks_override": 24, "block_size": 4},
-        tiers={"num_gpu_blocks_override": 8, "num_host_blocks_override": 64},
+        tiers={"num_gpu_blocks_override": 4, "num_host_blocks_override": 64},
     )
 
 

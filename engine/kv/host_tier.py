@@ -73,7 +73,9 @@ class HostTier(KVTier):
         if capacity_blocks < 1:
             raise ValueError("the host KV tier needs room for at least one block")
         self.capacity_blocks = capacity_blocks
-        self.storage = torch.zeros(
+        # Uninitialised: a row is read only after a copy filled it (pages are
+        # committed as blocks arrive, not at start-up).
+        self.storage = torch.empty(
             (capacity_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin_memory
         )
         self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))
