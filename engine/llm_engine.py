@@ -501,12 +501,8 @@ class LLMEngine:
         hierarchy = self.kv.hierarchy
         if hierarchy is None or hierarchy.disk is None or self.transfers is None:
             return 0
-        cached = self.kv.cached_device_blocks()
-        transfers = self.transfers
         t0 = time.perf_counter()
-        n = hierarchy.flush(
-            [m for _, m in cached], lambda: transfers.read_device_blocks([b for b, _ in cached])
-        )
+        n = hierarchy.flush(self.kv.cached_device_blocks(), self.transfers.read_device_blocks)
         logger.info("flushed %d KV blocks to the disk tier in %.2f s", n, time.perf_counter() - t0)
         self._refresh_stats()
         return n

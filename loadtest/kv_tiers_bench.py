@@ -93,7 +93,7 @@ def questions() -> list[str]:
     return [q for q in (DATA / "questions.txt").read_text().splitlines() if q.strip()]
 
 
-async def _send(url: str, prompt: str, max_tokens: int, ignore_eos: bool = False) -> RequestResult:
+async def _send(url: str, prompt: str, max_tokens: int, ignore_eos: bool = True) -> RequestResult:
     cfg = ClientConfig(base_url=url, endpoint="completions", model=MODEL)
     spec = RequestSpec(prompt=prompt, max_tokens=max_tokens, ignore_eos=ignore_eos)
     async with httpx.AsyncClient(trust_env=False, timeout=900) as client:
@@ -104,7 +104,7 @@ async def _send(url: str, prompt: str, max_tokens: int, ignore_eos: bool = False
 
 
 async def _concurrent(
-    url: str, prompts: Sequence[str], max_tokens: int, concurrency: int, ignore_eos: bool = False
+    url: str, prompts: Sequence[str], max_tokens: int, concurrency: int, ignore_eos: bool = True
 ) -> tuple[list[RequestResult], float]:
     sem = asyncio.Semaphore(concurrency)
     cfg = ClientConfig(base_url=url, endpoint="completions", model=MODEL)
@@ -171,7 +171,7 @@ def workload(a: argparse.Namespace, base: list[str]) -> list[str]:
         "",
         f"{a.conversations} conversations of ~{a.doc_tokens}-token documents, round-robin, "
         f"{a.rounds} rounds ({a.conversations * a.rounds} requests per server), concurrency "
-        f"{a.concurrency}, max_tokens {a.max_tokens}; device pool {a.gpu_blocks} blocks of 16 "
+        f"{a.concurrency}, max_tokens {a.max_tokens} (ignore_eos); device pool {a.gpu_blocks} blocks of 16 "
         f"tokens ({a.gpu_blocks * 16} tokens) for a prefix working set of about "
         f"{a.conversations * a.doc_tokens} tokens; host tier {a.host_gib} GiB. The rounds "
         "alternate between the three servers.",
@@ -351,7 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="workload,restart,overload")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
-    a.gpu_blocks = max(4, int(a.conversations * a.doc_tokens / a.working_set_ratio) // 16)
+    # The pool must still fit a couple of requests (documents run ~25% over their
+    # nominal token count, plus the question and the output).
+    one_request = -(-int(a.doc_tokens * 1.4 + 32 + a.max_tokens) // 16)
+    a.gpu_blocks = max(
+        2 * one_request, int(a.conversations * a.doc_tokens / a.working_set_ratio) // 16
+    )
     common = a.server_flags.split()
     base = [*common, "--num-gpu-blocks-override", str(a.gpu_blocks)]
     lines: list[str] = []

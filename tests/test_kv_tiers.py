@@ -684,3 +684,53 @@ def test_config_needs_host_tier_for_swap_and_disk() -> None:
     with pytest.raises(ValueError, match="needs the host tier"):
         EngineConfig(kv_offloading_disk_path="/tmp/x")
     assert EngineConfig(kv_offloading_size=0.5).host_tier_enabled
+
+
+def test_metrics_export_tiers_with_vllm_names() -> None:
+    from engine.stats import EngineStats, KVTierSnapshot, TierStats
+    from server.metrics import Metrics
+
+    m = Metrics("m")
+
+    def snap(hits: int, corrupt: int) -> EngineStats:
+        tiers = (
+            TierStats("device", 3, 10, hit_tokens=8, query_tokens=40),
+            TierStats("host", 5, 20, hit_tokens=hits, query_tokens=32, stored_blocks=7),
+            TierStats("disk", 2, 99, hit_tokens=4, corrupt_blocks=corrupt),
+        )
+        return EngineStats(
+            prefix_cache_queries=40,
+            prefix_cache_hits=8,
+            kv_tiers=KVTierSnapshot(
+                tiers=tiers,
+                bytes_moved=(("CPU_to_GPU", 4096), ("GPU_to_CPU", 2048)),
+                seconds=(("CPU_to_GPU", 0.5),),
+                swap_outs=2,
+                num_swapped_waiting=1,
+                external_queries=32,
+                external_hits=hits + 4,
+            ),
+        )
+
+    m.update_from_stats(snap(12, 0))
+    m.update_from_stats(snap(16, 3))
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {
+        (smp.name, smp.labels.get("tier") or smp.labels.get("transfer_type")): smp.value
+        for fam in text_string_to_metric_families(m.render()[0].decode())
+        for smp in fam.samples
+    }
+
+    def value(name: str, label: str | None = None) -> float:
+        return samples[(name, label)]
+
+    assert value("fuel:kv_tier_hit_tokens_total", "host") == 16
+    assert value("fuel:kv_tier_corrupt_blocks_total", "disk") == 3
+    assert value("fuel:kv_tier_blocks_capacity", "host") == 20
+    assert value("vllm:external_prefix_cache_hits_total") == 20
+    assert value("vllm:prompt_tokens_cached_total") == 28
+    assert value("vllm:kv_offload_total_bytes_total", "CPU_to_GPU") == 4096
+    assert value("vllm:kv_offload_cpu_cache_usage_perc") == 0.25
+    assert value("vllm:num_requests_swapped") == 1
+    assert value("fuel:kv_swap_outs_total") == 2

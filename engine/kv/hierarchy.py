@@ -327,32 +327,45 @@ class KVHierarchy:
 
     # ---- persistence ------------------------------------------------------------
     def flush(
-        self, device_blocks: Sequence[BlockMeta], read_device: Callable[[], torch.Tensor]
+        self,
+        device_blocks: Sequence[tuple[int, BlockMeta]],
+        read_device: Callable[[list[int]], torch.Tensor],
     ) -> int:
         """Write every cached block not yet on disk: first the host tier's, then
-        ``device_blocks`` (their bytes from ``read_device()``, in order). Blocks
-        until the writer queue is empty too. Returns the number written now."""
+        the device prefix cache's ``(block id, meta)`` (their bytes from
+        ``read_device(ids)``, one batched read). Waits for the writer queue
+        first. Returns the number of blocks written now."""
         if self.disk is None:
             return 0
         if self.writer is not None:
             self.writer.drain()
         self.wait_all()
         disk = self.disk
-        pending = [e for e in self.host.entries() if not e.private and not e.on_disk]
+        pending = [
+            e
+            for e in self.host.entries()
+            if not e.private and not e.on_disk and not disk.contains(e.key)
+        ]
         written = 0
         if pending and disk.writable:
             data = self.host.read_rows(torch.tensor([e.slot for e in pending], dtype=torch.int64))
             for e, ok in zip(pending, disk.put([e.meta() for e in pending], data)):
                 e.on_disk = e.on_disk or ok
                 written += int(ok)
-        on_host = {e.key for e in self.host.entries() if e.on_disk}
-        todo = [i for i, m in enumerate(device_blocks) if m.key not in on_host]
+        todo = [
+            (bid, m)
+            for bid, m in device_blocks
+            if not self._on_disk_via_host(m.key) and not disk.contains(m.key)
+        ]
         if todo and disk.writable:
-            data = read_device()
-            rows = data.index_select(0, torch.tensor(todo, dtype=torch.int64))
-            written += sum(disk.put([device_blocks[i] for i in todo], rows))
+            rows = read_device([bid for bid, _ in todo])
+            written += sum(disk.put([m for _, m in todo], rows))
         self.counters.flushed_blocks += written
         return written
+
+    def _on_disk_via_host(self, key: bytes) -> bool:
+        e = self.host.entry(key)
+        return e is not None and e.on_disk
 
     def close(self) -> None:
         if self.writer is not None:
