@@ -508,8 +508,11 @@ class LLMEngine:
         return n
 
     def close(self) -> None:
-        """Flush the KV tiers and stop their writer thread (the engine stays usable
-        only without a disk tier)."""
+        """Flush the KV tiers and stop their disk writer thread. Call it when done
+        with an engine that has a disk tier (``AsyncEngine.shutdown`` does): the
+        writer is a daemon thread, and what it has not written yet is lost at
+        exit otherwise. Idempotent; the engine stays usable (without
+        write-through)."""
         self.flush_kv_tiers()
         if self.kv.hierarchy is not None:
             self.kv.hierarchy.close()

@@ -31,6 +31,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kernels.rope_shift import rope_shift_paged, rope_shift_paged_ref
@@ -65,8 +66,11 @@ class KVFormat(ABC):
         """Zeroed per-layer caches holding ``num_blocks`` blocks."""
 
     @abstractmethod
-    def read_blocks(self, caches: LayerCaches, block_ids: torch.Tensor) -> torch.Tensor:
-        """``[n, block_nbytes]`` uint8 (caches' device): the bytes of ``block_ids`` (int64)."""
+    def read_blocks(
+        self, caches: LayerCaches, block_ids: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[n, block_nbytes]`` uint8 (caches' device): the bytes of ``block_ids``
+        (int64), written into ``out`` (contiguous, same shape) when given."""
 
     @abstractmethod
     def write_blocks(
@@ -97,6 +101,21 @@ class KVFormat(ABC):
             f"{self.name}/v{self.layout_version}/L{self.num_layers}/bs{self.block_size}"
             f"/h{self.num_kv_heads}/d{self.head_dim}"
         )
+
+
+def _cpu_rows(cache: torch.Tensor) -> np.ndarray:
+    """A CPU cache as ``[num_blocks, block bytes]`` uint8 numpy rows (a view, no copy).
+
+    Why numpy for CPU block copies: they are memory-bound row gathers, which
+    one thread does at memory speed, and numpy runs them on the calling thread.
+    torch's ``index_select`` opens an OpenMP parallel region per call, and on a
+    loaded machine (more runnable threads than cores) every region waits for
+    its slowest thread. Measured on the shared 2-core machine (load ~10, 2
+    torch threads; ``python -m benchmarks.kv_copy_bench``), gathering 32
+    blocks of the default model's layout (23.6 MB): 216 ms median through
+    ``index_select``, 22 ms through numpy; scattering 147 ms vs 20 ms.
+    """
+    return cache.view(cache.shape[0], -1).view(torch.uint8).numpy()
 
 
 class PlainKVFormat(KVFormat):
@@ -140,16 +159,29 @@ class PlainKVFormat(KVFormat):
         if len(caches) != self.num_layers:
             raise ValueError(f"got {len(caches)} layer caches, format has {self.num_layers}")
 
-    def read_blocks(self, caches: LayerCaches, block_ids: torch.Tensor) -> torch.Tensor:
+    def read_blocks(
+        self, caches: LayerCaches, block_ids: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         self._check(caches)
         n = int(block_ids.shape[0])
-        # One gather per layer and side, stacked in the block's byte order.
-        parts: list[torch.Tensor] = []
-        for k_cache, v_cache in caches:
-            parts.append(k_cache.view(k_cache.shape[0], -1).index_select(0, block_ids))
-            parts.append(v_cache.view(v_cache.shape[0], -1).index_select(0, block_ids))
-        out = torch.stack(parts, dim=1) if parts else torch.empty((n, 0), dtype=self.dtype)
-        return out.reshape(n, -1).view(torch.uint8)
+        device = caches[0][0].device
+        if out is None:
+            out = torch.empty((n, self.block_nbytes), dtype=torch.uint8, device=device)
+        elif out.dtype != torch.uint8 or tuple(out.shape) != (n, self.block_nbytes):
+            raise ValueError(f"out must be uint8 [{n}, {self.block_nbytes}]")
+        if device.type == "cpu":
+            o = out.numpy().reshape(n, self.num_layers, 2, -1)
+            ids = block_ids.numpy()
+            for layer, (k_cache, v_cache) in enumerate(caches):
+                o[:, layer, 0] = _cpu_rows(k_cache)[ids]
+                o[:, layer, 1] = _cpu_rows(v_cache)[ids]
+            return out
+        # One gather per layer and side into the block's byte order.
+        o_t = out.view(self.dtype).view(n, self.num_layers, 2, self._block_elems)
+        for layer, (k_cache, v_cache) in enumerate(caches):
+            o_t[:, layer, 0] = k_cache.view(k_cache.shape[0], -1).index_select(0, block_ids)
+            o_t[:, layer, 1] = v_cache.view(v_cache.shape[0], -1).index_select(0, block_ids)
+        return out
 
     def write_blocks(
         self, caches: LayerCaches, block_ids: torch.Tensor, data: torch.Tensor
@@ -161,7 +193,15 @@ class PlainKVFormat(KVFormat):
                 f"block data must be uint8 [{n}, {self.block_nbytes}], got "
                 f"{data.dtype} {tuple(data.shape)}"
             )
-        elems = data.contiguous().view(self.dtype).view(n, self.num_layers, 2, self._block_elems)
+        data = data.contiguous()
+        if data.device.type == "cpu":
+            d = data.numpy().reshape(n, self.num_layers, 2, -1)
+            ids = block_ids.numpy()
+            for layer, (k_cache, v_cache) in enumerate(caches):
+                _cpu_rows(k_cache)[ids] = d[:, layer, 0]
+                _cpu_rows(v_cache)[ids] = d[:, layer, 1]
+            return
+        elems = data.view(self.dtype).view(n, self.num_layers, 2, self._block_elems)
         for layer, (k_cache, v_cache) in enumerate(caches):
             k_cache.view(k_cache.shape[0], -1).index_copy_(0, block_ids, elems[:, layer, 0])
             v_cache.view(v_cache.shape[0], -1).index_copy_(0, block_ids, elems[:, layer, 1])

@@ -30,6 +30,7 @@ cached device block) at the latest when the server drains.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -290,7 +291,7 @@ class KVHierarchy:
         if self.writer is None or e.private or e.on_disk or not self.disk_writable:
             return
         self.host.pin(e)
-        if self.writer.submit(e.meta(), lambda e=e: self.host.row_bytes(e), e):  # type: ignore[misc]
+        if self.writer.submit(e.meta(), functools.partial(self.host.row_bytes, e), e):
             self._writer_pins += 1
         else:
             self.host.unpin(e)
@@ -368,9 +369,13 @@ class KVHierarchy:
         return e is not None and e.on_disk
 
     def close(self) -> None:
+        """Stop the disk writer (after ``flush``). Idempotent; the tiers stay
+        usable, without write-through (a later ``flush`` still writes)."""
         if self.writer is not None:
-            self.writer.close()
+            self.writer.drain()
             self.poll()
+            self.writer.close()
+            self.writer = None
 
     # ---- invariants ---------------------------------------------------------
     def check_invariants(self, swap_pins: int) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.kv.block_pool import EvictionPolicy, KVBlock, LRUEvictionPolicy
@@ -78,6 +79,7 @@ class HostTier(KVTier):
         self.storage = torch.empty(
             (capacity_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin_memory
         )
+        self._rows = self.storage.numpy()  # the same memory, for row copies
         self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))
         self._entries: dict[bytes, HostEntry] = {}
         self._by_slot: dict[int, HostEntry] = {}
@@ -168,19 +170,23 @@ class HostTier(KVTier):
         self._free.append(e.slot)
 
     # ---- bytes ------------------------------------------------------------
+    # Row copies run through numpy: memory-bound, on the calling thread, with
+    # no OpenMP region to wait on (see engine/kv/format.py, _cpu_rows).
     def write_rows(self, slots: torch.Tensor, data: torch.Tensor) -> None:
         """Copy ``data`` (``[n, block_nbytes]`` uint8, CPU) into rows ``slots`` (int64)."""
-        self.storage.index_copy_(0, slots, data)
+        self._rows[slots.numpy()] = data.contiguous().numpy()
 
     def read_rows(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A copy of rows ``slots`` (``[n, block_nbytes]``), into ``out`` when given."""
+        """A copy of rows ``slots`` (``[n, block_nbytes]``), into ``out`` (CPU,
+        contiguous) when given."""
         if out is None:
-            return self.storage.index_select(0, slots)
-        return torch.index_select(self.storage, 0, slots, out=out)
+            out = torch.empty((int(slots.shape[0]), self.block_nbytes), dtype=torch.uint8)
+        np.take(self._rows, slots.numpy(), axis=0, out=out.numpy())
+        return out
 
     def row_bytes(self, e: HostEntry) -> bytes:
         """The bytes of a pinned entry (the disk writer's read; any thread)."""
-        return self.storage[e.slot].numpy().tobytes()
+        return bytes(self._rows[e.slot].tobytes())
 
     # ---- the KVTier contract ------------------------------------------------
     def put(self, blocks: Sequence[BlockMeta], data: torch.Tensor) -> list[bool]:

@@ -32,6 +32,11 @@ import torch
 from engine.kv.format import KVFormat, LayerCaches
 from engine.kv.hierarchy import CPU_TO_GPU, GPU_TO_CPU, KVHierarchy, TransferPlan
 
+# Blocks per copy through the staging buffer: the copies of one step go in
+# chunks of this many (one gather per layer per chunk), which bounds the
+# buffer (64 blocks of the default model in float32: 47 MiB).
+_CHUNK_BLOCKS = 64
+
 
 class KVTransferExecutor:
     """Executes ``TransferPlan``s for one engine (its caches, its host tier)."""
@@ -48,6 +53,7 @@ class KVTransferExecutor:
         self.hierarchy = hierarchy
         self.host = hierarchy.host
         self.device = device
+        self._staging: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
         if device.type == "cuda" and hierarchy.async_copies:
             self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
@@ -60,14 +66,28 @@ class KVTransferExecutor:
             self._host_to_device(plan)
         self.hierarchy.plan_ran(plan)
 
+    def _stage(self, n: int) -> torch.Tensor:
+        """A reusable ``[n, block_nbytes]`` CPU buffer (fresh large allocations
+        cost a page fault per 4 KiB on every step; this one is touched once)."""
+        if self._staging is None or self._staging.shape[0] < n:
+            self._staging = torch.empty((n, self.fmt.block_nbytes), dtype=torch.uint8)
+        return self._staging[:n]
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        return [(i, min(n, i + _CHUNK_BLOCKS)) for i in range(0, n, _CHUNK_BLOCKS)]
+
     def _device_to_host(self, plan: TransferPlan) -> None:
         t0 = time.perf_counter()
         ids = torch.tensor([bid for bid, _ in plan.device_to_host], dtype=torch.int64)
         slots = torch.tensor([e.slot for _, e in plan.device_to_host], dtype=torch.int64)
-        data = self.fmt.read_blocks(self.caches, ids.to(self.device))
-        self.host.write_rows(slots, data.to("cpu"))  # synchronous (see the module doc)
+        for a, b in self._chunks(len(ids)):
+            if self.device.type == "cpu":
+                data = self.fmt.read_blocks(self.caches, ids[a:b], out=self._stage(b - a))
+            else:  # synchronous (see the module doc)
+                data = self.fmt.read_blocks(self.caches, ids[a:b].to(self.device)).to("cpu")
+            self.host.write_rows(slots[a:b], data)
         self.hierarchy.seconds[GPU_TO_CPU] += time.perf_counter() - t0
-        self.hierarchy.bytes_moved[GPU_TO_CPU] += int(data.numel())
+        self.hierarchy.bytes_moved[GPU_TO_CPU] += len(ids) * self.fmt.block_nbytes
 
     def _host_to_device(self, plan: TransferPlan) -> None:
         t0 = time.perf_counter()
@@ -75,8 +95,9 @@ class KVTransferExecutor:
         ids = torch.tensor([bid for _, bid in plan.host_to_device], dtype=torch.int64)
         nbytes = len(plan.host_to_device) * self.fmt.block_nbytes
         if self._stream is None:
-            data = self.host.read_rows(slots)
-            self.fmt.write_blocks(self.caches, ids.to(self.device), data.to(self.device))
+            for a, b in self._chunks(len(ids)):
+                data = self.host.read_rows(slots[a:b], out=self._stage(b - a))
+                self.fmt.write_blocks(self.caches, ids[a:b].to(self.device), data.to(self.device))
         else:
             staged = torch.empty(
                 (len(plan.host_to_device), self.fmt.block_nbytes),
