@@ -24,6 +24,7 @@ from engine.errors import InvalidRequestError
 from engine.kv.block_pool import KVBlock
 from engine.kv.builder import build_hierarchy
 from engine.kv.format import PlainKVFormat
+from engine.kv.hierarchy import KVHierarchy
 from engine.kv.manager import KVCacheManager
 from engine.kv.transfer import KVTransferExecutor
 from engine.models.loader import load_model, load_model_config, resolve_model_path
@@ -138,39 +139,7 @@ class LLMEngine:
             # The Triton kernels are written for a cache in the model's dtype.
             raise ValueError("--kv-cache-dtype other than the model's dtype is CPU-only")
         num_blocks = self._num_blocks(device, kv_dtype, max_len)
-        kv_format = PlainKVFormat(
-            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
-        )
-        hierarchy = build_hierarchy(
-            config,
-            kv_format,
-            device,
-            path,
-            {
-                "dtype": str(dtype),
-                "device": device.type,
-                "cpu_linear": config.cpu_linear,
-                "attention": backend.name,
-            },
-        )
-        self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, hierarchy=hierarchy
-        )
-        self.scheduler = Scheduler(config, self.kv, max_len, clock=clock)
-        self.runner = ModelRunner(
-            self.model,
-            mc.num_hidden_layers,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            num_blocks,
-            config.block_size,
-            device,
-            kv_dtype,
-            kv_format,
-        )
-        self.transfers: KVTransferExecutor | None = None
-        if hierarchy is not None:
-            self.transfers = KVTransferExecutor(kv_format, self.runner.kv_caches, hierarchy, device)
+        hierarchy = self._build_kv(num_blocks, max_len, device, dtype, kv_dtype, path, backend.name)
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(max_len)
         # The served name: what the user passed (as vLLM does), or the default model's name.
@@ -198,6 +167,51 @@ class LLMEngine:
         if config.enable_request_traces:
             self.traces = TraceStore(config.max_traces)
             self.tracer = TraceRecorder(self.traces, log_prompts=config.log_prompts)
+
+    def _build_kv(
+        self,
+        num_blocks: int,
+        max_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        model_path: Path,
+        backend_name: str,
+    ) -> KVHierarchy | None:
+        """The KV format, the tiers below the device pool, the KV manager, the
+        scheduler, the runner (which owns the caches) and the tier copier."""
+        cfg = self.config
+        mc = self.model_config
+        kv_format = PlainKVFormat(
+            mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
+        )
+        # What else makes a block's bytes what they are (the disk fingerprint).
+        numerics = {
+            "dtype": str(dtype),
+            "device": device.type,
+            "cpu_linear": cfg.cpu_linear,
+            "attention": backend_name,
+        }
+        hierarchy = build_hierarchy(cfg, kv_format, device, model_path, numerics)
+        self.kv = KVCacheManager(
+            num_blocks, cfg.block_size, cfg.enable_prefix_caching, hierarchy=hierarchy
+        )
+        self.scheduler = Scheduler(cfg, self.kv, max_len, clock=self.clock)
+        self.runner = ModelRunner(
+            self.model,
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            num_blocks,
+            cfg.block_size,
+            device,
+            kv_dtype,
+            kv_format,
+        )
+        self.transfers: KVTransferExecutor | None = None
+        if hierarchy is not None:
+            self.transfers = KVTransferExecutor(kv_format, self.runner.kv_caches, hierarchy, device)
+        return hierarchy
 
     @staticmethod
     def _native_kernels(backend: object) -> CpuKernels:
