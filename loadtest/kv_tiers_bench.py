@@ -361,15 +361,31 @@ def main(argv: list[str] | None = None) -> int:
     base = [*common, "--num-gpu-blocks-override", str(a.gpu_blocks)]
     lines: list[str] = []
     sections = a.sections.split(",")
+    head = _head(argv)
+    body: list[str] = []
+
+    def save() -> None:  # after each section: a long run killed later keeps what it measured
+        text = "\n".join(head + body + lines) + "\n"
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(text)
+
     with _loadavg(lines):
-        body: list[str] = []
         if "workload" in sections:
             body += workload(a, base)
+            save()
         if "restart" in sections:
             body += restart(a, base)
+            save()
         if "overload" in sections:
             body += overload(a, common)
-    head = [
+    save()
+    print("\n".join(head + body + lines))
+    return 0
+
+
+def _head(argv: list[str] | None) -> list[str]:
+    return [
         "# KV tiers benchmark (device -> host -> disk, swap preemption)",
         "",
         f"Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; commit "
@@ -379,12 +395,6 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `python -m loadtest.kv_tiers_bench {' '.join(argv if argv is not None else sys.argv[1:])}`",
         "",
     ]
-    text = "\n".join(head + body + lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
-    return 0
 
 
 if __name__ == "__main__":
