@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+# How long shutdown waits for the KV tiers' flush (one batched read of the
+# cached blocks and a file each; seconds even for a large host tier). A hung
+# disk must not hang the exit forever: past this the flush is abandoned.
+_CLOSE_TIMEOUT_S = 300.0
+
 
 @dataclass
 class _Stream:
@@ -132,6 +137,13 @@ class AsyncEngine:
         self._go.set()
 
     async def shutdown(self) -> None:
+        """Flush the KV tiers to disk (a graceful restart then finds every cached
+        prefix: ``LLMEngine.close``), then stop the engine thread."""
+        if self.is_running:
+            try:
+                await asyncio.wait_for(self.call(lambda eng: eng.close()), _CLOSE_TIMEOUT_S)
+            except Exception:  # shutting down regardless: log, never hang or raise
+                logger.exception("flushing the KV tiers at shutdown failed")
         self._stopping = True
         self._commands.put(None)
         self._go.set()  # a loop never started still has to see _stopping and exit

@@ -21,6 +21,7 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
 CpuLinear = Literal["auto", "torch", "onednn", "int8", "q4_1", "q8_0"]
 CpuDecodeStep = Literal["auto", "fused", "per_layer"]
+PreemptionMode = Literal["recompute", "swap"]
 
 
 @dataclass
@@ -61,6 +62,38 @@ class EngineConfig:
         0.9, "Fraction of GPU memory to use (CUDA).", minimum=0.01, maximum=1.0
     )
     num_gpu_blocks_override: int | None = setting(None, "Force the number of KV blocks.", minimum=2)
+    kv_offloading_size: float = setting(
+        0.0,
+        "Host KV tier in GiB (vLLM's flag; 0: off): prefix blocks evicted from the device pool "
+        "are kept there and promoted back on a hit; swapped-out requests park there. Pinned "
+        "memory on CUDA; on the CPU a second store below the main KV cache.",
+        minimum=0.0,
+    )
+    num_host_blocks_override: int | None = setting(
+        None,
+        "Force the number of host-tier KV blocks (instead of --kv-offloading-size).",
+        minimum=1,
+    )
+    kv_offloading_disk_path: str | None = setting(
+        None,
+        "Directory of the persistent disk KV tier (needs the host tier): content-addressed "
+        "block files keyed by block hash and model fingerprint, written through from the "
+        "host tier and flushed on shutdown, so a restarted server finds its prefixes.",
+    )
+    kv_offloading_disk_size: float = setting(
+        16.0, "Disk KV tier budget in GiB (least recently used blocks go beyond it).", minimum=0.0
+    )
+    kv_disk_write_queue: int = setting(
+        256,
+        "Blocks waiting for the disk writer thread at most; beyond it write-through is "
+        "skipped and the block is written at the latest on shutdown.",
+        minimum=1,
+    )
+    preemption_mode: PreemptionMode = setting(
+        "recompute",
+        "What happens to a preempted request's KV (vLLM's names): recompute frees it; swap "
+        "parks it in the host tier when the tier has room for all of it (else recompute).",
+    )
     max_num_seqs: int = setting(64, "Most sequences in one batch.", minimum=1)
     max_num_batched_tokens: int = setting(2048, "Most tokens in one step.", minimum=1)
     enable_chunked_prefill: bool = setting(True, "Split long prefills across steps.")
@@ -124,3 +157,18 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         validate_fields(self)
+        host = self.host_tier_enabled
+        if self.kv_offloading_disk_path is not None and not host:
+            raise ValueError(
+                "--kv-offloading-disk-path needs the host tier (--kv-offloading-size > 0): "
+                "blocks reach the disk tier through it"
+            )
+        if self.preemption_mode == "swap" and not host:
+            raise ValueError(
+                "--preemption-mode swap needs the host tier (--kv-offloading-size > 0)"
+            )
+
+    @property
+    def host_tier_enabled(self) -> bool:
+        """Whether a host KV tier is configured (by size or block count)."""
+        return self.kv_offloading_size > 0 or self.num_host_blocks_override is not None

@@ -23,7 +23,12 @@ from engine.attention.cpu_backend import CpuNativeAttentionBackend
 from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.kv.block_pool import KVBlock
+from engine.kv.builder import build_hierarchy
+from engine.kv.format import PlainKVFormat
+from engine.kv.hierarchy import KVHierarchy
 from engine.kv.manager import KVCacheManager
+from engine.kv.transfer import KVTransferExecutor
 from engine.models.linear import LinearStrategy, make_linear_strategy
 from engine.models.loader import (
     linear_weight_type,
@@ -150,6 +155,9 @@ class EngineInfo:
             "decode_step": self.decode_step,
         }
 
+    num_host_blocks: int = 0
+    disk_tier_path: str | None = None
+
 
 class LLMEngine:
     """Owns tokenizer, model, KV cache, scheduler and per-request output state."""
@@ -201,19 +209,7 @@ class LLMEngine:
         self.model = model
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, device, dtype, backend)
         num_blocks = self._num_blocks(device, kv_dtype, max_len)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, max_len, clock=clock)
-        self.runner = ModelRunner(
-            self.model,
-            mc.num_hidden_layers,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            num_blocks,
-            config.block_size,
-            device,
-            kv_dtype,
-            config.moe_capacity_factor,
-        )
+        hierarchy = self._build_kv(num_blocks, max_len, device, dtype, kv_dtype, path, backend.name)
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(max_len)
         decode_step = self._enable_native_decode(device)
@@ -231,6 +227,10 @@ class LLMEngine:
             kv_cache_dtype=kv_dtype,
             attention=self.model_backend_name(),
             decode_step=decode_step,
+            num_host_blocks=hierarchy.host.capacity_blocks if hierarchy is not None else 0,
+            disk_tier_path=(
+                str(hierarchy.disk.root) if hierarchy is not None and hierarchy.disk else None
+            ),
         )
         logger.info(
             "execution: linears %s (%s), kv cache %s, attention %s, decode steps %s",
@@ -250,6 +250,52 @@ class LLMEngine:
         if config.enable_request_traces:
             self.traces = TraceStore(config.max_traces)
             self.tracer = TraceRecorder(self.traces, log_prompts=config.log_prompts)
+
+    def _build_kv(
+        self,
+        num_blocks: int,
+        max_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        model_path: Path,
+        backend_name: str,
+    ) -> KVHierarchy | None:
+        """The KV format, the tiers below the device pool, the KV manager, the
+        scheduler, the runner (which owns the caches) and the tier copier."""
+        cfg = self.config
+        mc = self.model_config
+        kv_format = PlainKVFormat(
+            mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
+        )
+        # What else makes a block's bytes what they are (the disk fingerprint).
+        numerics = {
+            "dtype": str(dtype),
+            "device": device.type,
+            "cpu_linear": self.linear_strategy.name,
+            "attention": backend_name,
+        }
+        hierarchy = build_hierarchy(cfg, kv_format, device, model_path, numerics)
+        self.kv = KVCacheManager(
+            num_blocks, cfg.block_size, cfg.enable_prefix_caching, hierarchy=hierarchy
+        )
+        self.scheduler = Scheduler(cfg, self.kv, max_len, clock=self.clock)
+        self.runner = ModelRunner(
+            self.model,
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            num_blocks,
+            cfg.block_size,
+            device,
+            kv_dtype,
+            cfg.moe_capacity_factor,
+            kv_format,
+        )
+        self.transfers: KVTransferExecutor | None = None
+        if hierarchy is not None:
+            self.transfers = KVTransferExecutor(kv_format, self.runner.kv_caches, hierarchy, device)
+        return hierarchy
 
     def _enable_native_decode(self, device: torch.device) -> str:
         """Attach the fused native decode step where the model can use it; returns
@@ -331,6 +377,7 @@ class LLMEngine:
             f"kv_blocks={i.num_blocks} block_size={i.block_size} "
             f"kv_tokens={i.num_blocks * i.block_size} max_model_len={i.max_model_len} "
             + " ".join(f"{k}={v}" for k, v in i.execution().items() if k not in ("device", "dtype"))
+            + f" host_kv_blocks={i.num_host_blocks} disk_kv_tier={i.disk_tier_path or 'off'}"
         )
 
     def _capture_decode_graphs(self, max_len: int) -> None:
@@ -495,9 +542,11 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------
     def step(self) -> list[tuple[GroupState, RequestOutput]]:
+        self.kv.poll_transfers()
         sched = self.scheduler.schedule()
         if self.tracer.enabled:
             self._trace_schedule(sched, self.clock())
+        self._run_kv_transfers()
         if not sched.scheduled:
             self._refresh_stats()
             return []
@@ -524,6 +573,73 @@ class LLMEngine:
             self.scheduler.check_invariants()
         self._refresh_stats()
         return outputs
+
+    def _run_kv_transfers(self) -> None:
+        """This step's tier copies (demotions, promotions, swaps), batched, before its forward."""
+        plan = self.kv.take_transfers()
+        if plan is None:
+            return
+        assert self.transfers is not None
+        self.transfers.run(plan)
+
+    # ---- KV tiers -------------------------------------------------------
+    def flush_kv_tiers(self) -> int:
+        """Write every cached KV block not yet on the disk tier (host tier and
+        device prefix cache) and wait for the disk writer; returns the number
+        of blocks written now. The server calls it while draining (shutdown),
+        so a graceful restart finds every cached prefix. A no-op without a
+        disk tier. Engine thread only, between steps."""
+        hierarchy = self.kv.hierarchy
+        if hierarchy is None or hierarchy.disk is None or self.transfers is None:
+            return 0
+        t0 = time.perf_counter()
+        n = hierarchy.flush(self.kv.cached_device_blocks(), self.transfers.read_device_blocks)
+        logger.info("flushed %d KV blocks to the disk tier in %.2f s", n, time.perf_counter() - t0)
+        self._refresh_stats()
+        return n
+
+    def close(self) -> None:
+        """Flush the KV tiers and stop their disk writer thread. Call it when done
+        with an engine that has a disk tier (``AsyncEngine.shutdown`` does): the
+        writer is a daemon thread, and what it has not written yet is lost at
+        exit otherwise. Idempotent; the engine stays usable (without
+        write-through)."""
+        self.flush_kv_tiers()
+        if self.kv.hierarchy is not None:
+            self.kv.hierarchy.close()
+
+    def rerotate_blocks(
+        self, block_ids: Sequence[int], new_positions: Sequence[Sequence[int]]
+    ) -> None:
+        """Move the keys of ``block_ids`` to ``new_positions`` (``block_size`` each).
+
+        Re-rotates every layer's keys by the position delta from the positions
+        each block records (``KVBlock.positions``), then records the new ones.
+        For KV policies that keep a sequence's tokens at other positions (sinks,
+        segment reuse). Only a block one request owns may move: a block in the
+        prefix cache is shared at its own positions (raises ValueError).
+        """
+        bs = self.config.block_size
+        blocks: list[KVBlock] = [self.kv.pool.blocks[b] for b in block_ids]
+        for b, pos in zip(blocks, new_positions):
+            if b.block_hash is not None or b.ref_count != 1:
+                raise ValueError(f"KV block {b.block_id} is shared or cached: its positions stay")
+            if b.positions is None or len(pos) != bs:
+                raise ValueError(f"KV block {b.block_id}: {bs} positions needed, recorded and new")
+        if not blocks:
+            return
+        old = torch.tensor([list(b.positions or ()) for b in blocks], dtype=torch.long)
+        new = torch.tensor([list(p) for p in new_positions], dtype=torch.long)
+        cos_sin = self.model.model.rotary_emb.cos_sin_cache
+        self.runner.kv_format.rerotate_keys(
+            self.runner.kv_caches,
+            torch.tensor(list(block_ids), dtype=torch.long),
+            old,
+            new,
+            cos_sin,
+        )
+        for b, pos in zip(blocks, new_positions):
+            b.positions = tuple(pos)
 
     def _process(
         self, sched: SchedulerOutput, result: StepResult, now: float
@@ -591,7 +707,7 @@ class LLMEngine:
 
     def _trace_schedule(self, sched: SchedulerOutput, now: float) -> None:
         for r in sched.preempted:
-            self.tracer.on_preempted(r.request_id, now)
+            self.tracer.on_preempted(r.request_id, now, "swap" if r.swapped_blocks else "recompute")
         for s in sched.scheduled:
             self.tracer.on_scheduled(s.req.request_id, now)
 
@@ -604,7 +720,9 @@ class LLMEngine:
                 self.tracer.on_decode_step(rid, ms, len(scheduled))
             else:
                 if s.start == s.req.num_cached_tokens and s.req.num_cached_tokens:
-                    self.tracer.on_prefix_hit(rid, s.req.num_cached_tokens)
+                    self.tracer.on_prefix_hit(
+                        rid, s.req.num_cached_tokens, s.req.cached_tokens_by_tier
+                    )
                 self.tracer.on_prefill_chunk(rid, s.num_new_tokens, s.start, ms)
             self.tracer.on_blocks(rid, len(s.req.block_ids))
             capacity = result.moe_capacity.get(rid)
@@ -642,9 +760,13 @@ class LLMEngine:
         s = self.stats
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
-        s.num_preempted_waiting = sum(
-            1 for r in self.scheduler.waiting if r.status is RequestStatus.PREEMPTED
-        )
+        preempted = swapped = 0
+        for r in self.scheduler.waiting:
+            if r.status is RequestStatus.PREEMPTED:
+                preempted += 1
+                swapped += bool(r.swapped_blocks)
+        s.num_preempted_waiting = preempted
+        s.kv_tiers = self.kv.tier_snapshot(swapped)
         s.kv_cache_usage = self.kv.usage
         s.num_free_blocks = self.kv.num_free_blocks
         s.num_preemptions = self.scheduler.num_preemptions

@@ -11,12 +11,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.outputs import RequestMetrics
 from engine.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.kv.host_tier import HostEntry
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,9 @@ class Request:
     * ``block_ids`` covers exactly ``ceil(num_computed_tokens / block_size)``
       blocks between steps; during a step it covers the scheduled tokens too.
     * ``num_computed_tokens <= len(all_token_ids)``.
-    The request owns one reference to every block in ``block_ids`` and gives
-    them all back (KVCacheManager.free) when it finishes or is preempted.
+    The request owns one reference to every block in ``block_ids`` (and one
+    pin on every entry of ``swapped_blocks``) and gives them all back
+    (KVCacheManager.free) when it finishes or is preempted.
     """
 
     request_id: str
@@ -84,12 +88,20 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    # ... and how many of them each KV tier served ("device", "host", "disk").
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     # Prompt positions 0..num_prompt_logprobs-1 have their logprobs computed and
     # handed to the output (position 0 has none: nothing predicts it). Only the
     # request that reports them (choice 0 of a group that asked) tracks this.
     num_prompt_logprobs: int = 1
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # keys of the request's full blocks
+    # Swap preemption: the host-tier entries (pinned for this request) holding
+    # its blocks while it waits, and how many computed tokens they hold. Empty
+    # unless it was swapped out (KVCacheManager.swap_out); a swapped-out
+    # request holds no device block and has num_computed_tokens == 0.
+    swapped_blocks: list[HostEntry] = field(default_factory=list)
+    swapped_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None

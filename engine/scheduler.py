@@ -4,9 +4,12 @@ Every step has a token budget (``max_num_batched_tokens``) shared by all
 requests. Running requests are served first in policy order (decodes need
 one token; a request mid-prefill gets its next chunk), then waiting requests
 are admitted in policy order while budget, sequence slots and KV blocks last.
-A running request that cannot get the blocks it needs triggers preemption
-(recompute: its blocks are freed, it goes back to waiting, and prefix caching
-finds its computed blocks again on resume).
+A running request that cannot get the blocks it needs triggers preemption.
+``--preemption-mode recompute``: the victim's blocks are freed, it goes back
+to waiting, and prefix caching (from any tier) finds its computed blocks
+again on resume. ``--preemption-mode swap``: the victim's blocks are parked
+in the host tier when it has room for all of them (else recompute), and come
+back as a hit on resume, partial last block included, with nothing recomputed.
 """
 
 from __future__ import annotations
@@ -141,6 +144,7 @@ class Scheduler:
         self.running = RequestSet()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # of which swapped out (the rest recompute)
         self.rejections: dict[str, int] = {}
         self._preemption_times: deque[float] = deque()
         # Admission-time predictions of unfinished requests, scored in finish().
@@ -216,6 +220,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step to make room
+            if not self.kv.is_ready(req):
+                continue  # its blocks are still being copied in (async tier copies)
             num_new = min(
                 req.num_tokens - req.num_computed_tokens,
                 self.max_model_len - req.num_computed_tokens,
@@ -269,28 +275,38 @@ class Scheduler:
                 and src.num_computed_tokens < src.num_prompt_tokens
             ):
                 continue  # wait until the first choice has computed the shared prompt
-            cached = self.kv.find_cached_prefix(req)
-            hit = len(cached) * self.kv.block_size
-            num_new = req.num_tokens - req.num_computed_tokens - hit
+            hit = self.kv.find_cached_prefix(req)
+            num_new = req.num_tokens - req.num_computed_tokens - hit.num_tokens
             if num_new > budget:
                 if not chunked and out.scheduled:
                     break
                 num_new = budget if chunked else num_new
-            if not self.kv.allocate_slots(req, num_new, cached):
+            if not self.kv.can_allocate(req, num_new, hit):
                 break
+            self.kv.allocate_slots(req, 0, hit)  # take the hit (any tier)
             if req.metrics.first_scheduled_time is None:
                 self.kv.record_prefix_query(req, hit)
-                req.num_cached_tokens = hit
+                req.num_cached_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.waiting.discard(req)
             self.running.add(req)
+            if not self.kv.is_ready(req):
+                # Async tier copies: its blocks arrive after this step; it runs
+                # (and takes the slots for its new tokens) once they have.
+                continue
+            allocated = self.kv.allocate_slots(req, num_new)
+            assert allocated, "can_allocate said the blocks were there"
             out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
             budget -= num_new
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        """Swap ``victim`` out when the mode and the host tier allow it, else recompute."""
         self.running.discard(victim)
-        self.kv.free(victim)
-        victim.num_computed_tokens = 0
+        if self.config.preemption_mode == "swap" and self.kv.swap_out(victim):
+            self.num_swap_preemptions += 1
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.metrics.num_preemptions += 1
         self.waiting.add(victim)
@@ -330,11 +346,5 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def check_invariants(self) -> None:
-        self.kv.pool.check_invariants()
-        held = 0
-        for req in [*self.running, *self.waiting]:
-            self.kv.check_request(req)
-            held += len(req.block_ids)
-        refs = sum(b.ref_count for b in self.kv.pool.blocks)
-        if refs != held:
-            raise AssertionError(f"{refs} block references but requests hold {held}")
+        """Every tier's accounting; every reference held by a live request (KVCacheManager)."""
+        self.kv.check_invariants([*self.running, *self.waiting])

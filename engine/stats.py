@@ -25,6 +25,45 @@ class MoeLayerStats:
     dropped_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class TierStats:
+    """One KV tier (device, host, disk): gauges, then counters (blocks unless named tokens)."""
+
+    tier: str
+    used_blocks: int
+    capacity_blocks: int
+    hit_tokens: int = 0  # prompt tokens found in this tier at first admission
+    query_tokens: int = 0  # prompt tokens looked up in it (those the tiers above missed)
+    stored_blocks: int = 0  # written into it (demotions, swap-outs, disk staging / write-through)
+    read_blocks: int = 0  # read out of it towards the device (promotions, swap-ins)
+    evicted_blocks: int = 0
+    dropped_blocks: int = 0  # could not be stored (no room, writer queue full, writes off)
+    corrupt_blocks: int = 0  # truncated, corrupted or foreign blocks found (each a miss)
+    write_errors: int = 0
+
+
+@dataclass(frozen=True)
+class KVTierSnapshot:
+    """The KV memory hierarchy at the last step. A fresh object each step (never
+    mutated), so a copy of ``EngineStats`` may share it across threads."""
+
+    tiers: tuple[TierStats, ...] = ()
+    # Bytes and seconds moved per direction (GPU_to_CPU, CPU_to_GPU, DISK_to_CPU,
+    # CPU_to_DISK: vLLM's transfer_type labels; "GPU" is the device pool).
+    bytes_moved: tuple[tuple[str, int], ...] = ()
+    seconds: tuple[tuple[str, float], ...] = ()
+    swap_outs: int = 0  # preemptions that swapped (the others recomputed)
+    swap_ins: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    num_swapped_waiting: int = 0  # gauge: requests waiting with their blocks in the host tier
+    external_queries: int = 0  # tokens looked up below the device (vLLM's external prefix cache)
+    external_hits: int = 0
+
+    def tier(self, name: str) -> TierStats | None:
+        return next((t for t in self.tiers if t.tier == name), None)
+
+
 @dataclass
 class EngineStats:
     # Gauges (state after the last step).
@@ -54,3 +93,4 @@ class EngineStats:
     # Mixture-of-Experts routing per MoE layer (empty for dense models); immutable
     # snapshots, replaced after each step.
     moe_layers: tuple[MoeLayerStats, ...] = ()
+    kv_tiers: KVTierSnapshot = field(default_factory=KVTierSnapshot)

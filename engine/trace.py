@@ -65,18 +65,24 @@ class KvBlocks:
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """Prompt tokens served from the prefix cache instead of being computed."""
+    """Prompt tokens served from the prefix cache instead of being computed,
+    and how many of them came from each KV tier (device pool, host, disk)."""
 
     kind: ClassVar[str] = "prefix_hit"
     num_tokens: int
+    device_tokens: int = 0
+    host_tokens: int = 0
+    disk_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class Preempted:
-    """The request lost its KV blocks and went back to the waiting queue at ``at_s``."""
+    """The request lost its KV blocks and went back to the waiting queue at ``at_s``:
+    ``mode`` "recompute" (freed) or "swap" (parked in the host tier)."""
 
     kind: ClassVar[str] = "preempted"
     at_s: float
+    mode: str = "recompute"
 
 
 @dataclass(frozen=True)
@@ -266,17 +272,29 @@ class TraceRecorder:
         """The request now holds ``num_blocks`` KV blocks."""
         self.store.append(req_id, KvBlocks(num_blocks=num_blocks))
 
-    def on_prefix_hit(self, req_id: str, tokens: int) -> None:
-        """``tokens`` prompt tokens were served from the prefix cache."""
-        self.store.append(req_id, PrefixHit(num_tokens=tokens))
+    def on_prefix_hit(
+        self, req_id: str, tokens: int, by_tier: dict[str, int] | None = None
+    ) -> None:
+        """``tokens`` prompt tokens were served from the prefix cache (``by_tier``:
+        how many from each of device, host, disk)."""
+        t = by_tier or {}
+        self.store.append(
+            req_id,
+            PrefixHit(
+                num_tokens=tokens,
+                device_tokens=t.get("device", 0),
+                host_tokens=t.get("host", 0),
+                disk_tokens=t.get("disk", 0),
+            ),
+        )
 
     def on_moe_capacity(self, req_id: str, num_rerouted: int, num_dropped: int) -> None:
         """An MoE capacity limit rerouted / dropped some of the request's slots this step."""
         self.store.append(req_id, MoeCapacity(num_rerouted=num_rerouted, num_dropped=num_dropped))
 
-    def on_preempted(self, req_id: str, t: float) -> None:
-        """Preempted at ``t``: the request waits again from ``t``."""
-        trace = self.store.append(req_id, Preempted(at_s=t))
+    def on_preempted(self, req_id: str, t: float, mode: str = "recompute") -> None:
+        """Preempted at ``t`` (``mode`` recompute or swap): the request waits again from ``t``."""
+        trace = self.store.append(req_id, Preempted(at_s=t, mode=mode))
         if trace is not None:
             trace._queued_since_s = t
 
@@ -345,13 +363,15 @@ class NullTraceRecorder(TraceRecorder):
     def on_blocks(self, req_id: str, num_blocks: int) -> None:
         return None
 
-    def on_prefix_hit(self, req_id: str, tokens: int) -> None:
+    def on_prefix_hit(
+        self, req_id: str, tokens: int, by_tier: dict[str, int] | None = None
+    ) -> None:
         return None
 
     def on_moe_capacity(self, req_id: str, num_rerouted: int, num_dropped: int) -> None:
         return None
 
-    def on_preempted(self, req_id: str, t: float) -> None:
+    def on_preempted(self, req_id: str, t: float, mode: str = "recompute") -> None:
         return None
 
     def on_finished(self, req_id: str, t: float, reason: str) -> None:

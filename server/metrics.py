@@ -290,6 +290,7 @@ class Metrics:
             registry=reg,
         )
         self._last_moe: dict[int, MoeLayerStats] = {}
+        self.kv_tiers = KVTierMetrics(reg, labels, values)
 
         # Rejections by reason: engine-side (from EngineStats), server-side
         # (observe_rejection) and what fuel:admission_rejections_total shows.
@@ -351,6 +352,8 @@ class Metrics:
             for _ in range(d_steps):
                 self.iteration_tokens.observe(per_step)
         self._update_moe(stats.moe_layers)
+
+        self.kv_tiers.update(stats)
 
         # Copy: the engine may keep mutating the object it handed us.
         self._last = EngineStats(
@@ -476,6 +479,154 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this registry and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+# TierStats field -> (series, help), one series per field with a ``tier`` label.
+_TIER_GAUGES: dict[str, tuple[str, str]] = {
+    "used_blocks": ("fuel:kv_tier_blocks_used", "KV blocks held, by tier."),
+    "capacity_blocks": ("fuel:kv_tier_blocks_capacity", "KV blocks a tier can hold."),
+}
+_TIER_COUNTERS: dict[str, tuple[str, str]] = {
+    "hit_tokens": (
+        "fuel:kv_tier_hit_tokens",
+        "Prompt tokens served from each KV tier at first admission.",
+    ),
+    "query_tokens": (
+        "fuel:kv_tier_query_tokens",
+        "Prompt tokens looked up in each KV tier (those the tiers above missed).",
+    ),
+    "stored_blocks": (
+        "fuel:kv_tier_stored_blocks",
+        "Blocks written into a tier (demotions, swap-outs, disk staging and write-through).",
+    ),
+    "read_blocks": (
+        "fuel:kv_tier_promoted_blocks",
+        "Blocks read out of a tier towards the device (promotions, swap-ins).",
+    ),
+    "evicted_blocks": ("fuel:kv_tier_evicted_blocks", "Blocks evicted from a tier."),
+    "dropped_blocks": (
+        "fuel:kv_tier_dropped_blocks",
+        "Blocks a tier could not store (no room, writer queue full, writes off).",
+    ),
+    "corrupt_blocks": (
+        "fuel:kv_tier_corrupt_blocks",
+        "Truncated, corrupted or foreign blocks found (each one a miss, never served).",
+    ),
+    "write_errors": (
+        "fuel:kv_tier_write_errors",
+        "Failed tier writes (disk full, read-only); writes stop after the first.",
+    ),
+}
+
+
+class KVTierMetrics:
+    """The KV tier series (device pool, host, disk) of one ``Metrics``.
+
+    vLLM's names where vLLM has one: the external (KV connector / offloading)
+    prefix cache counters, the offloading connector's bytes and seconds by
+    ``transfer_type``, V0's swapped-requests gauge and the CPU offloading
+    tier's usage; everything per tier is ``fuel:kv_tier_*`` with a ``tier``
+    label. ``update`` follows ``Metrics.update_from_stats``'s contract
+    (gauges set, counters advanced by the delta of monotonic totals).
+    """
+
+    def __init__(self, reg: CollectorRegistry, labels: list[str], values: tuple[str, str]) -> None:
+        self._values = values
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=reg).labels(*values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=reg).labels(*values)
+
+        self.external_prefix_cache_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries (tokens looked up below the device pool: host, disk).",
+        )
+        self.external_prefix_cache_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits (tokens served from the host or disk KV tier).",
+        )
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached",
+            "Prompt tokens served from any prefix cache tier instead of being computed.",
+        )
+        self.num_requests_swapped = gauge(
+            "vllm:num_requests_swapped",
+            "Requests waiting with their KV blocks swapped out to the host tier.",
+        )
+        self.cpu_cache_usage = gauge(
+            "vllm:kv_offload_cpu_cache_usage_perc",
+            "Host (CPU) KV tier usage. 1 means 100 percent usage.",
+        )
+        tier_labels = [*labels, "tier"]
+        transfer_labels = [*labels, "transfer_type"]
+
+        self._tier_gauges = {
+            field: Gauge(name, doc, tier_labels, registry=reg)
+            for field, (name, doc) in _TIER_GAUGES.items()
+        }
+        self._tier_counters = {
+            field: Counter(name, doc, tier_labels, registry=reg)
+            for field, (name, doc) in _TIER_COUNTERS.items()
+        }
+        self._offload_bytes = Counter(
+            "vllm:kv_offload_total_bytes",
+            "Bytes moved between KV tiers, by transfer_type (GPU is the device pool).",
+            transfer_labels,
+            registry=reg,
+        )
+        self._offload_time = Counter(
+            "vllm:kv_offload_total_time",
+            "Seconds spent moving KV blocks between tiers, by transfer_type.",
+            transfer_labels,
+            registry=reg,
+        )
+        self.swap_outs = counter("fuel:kv_swap_outs", "Preemptions that swapped a request out.")
+        self.swap_ins = counter("fuel:kv_swap_ins", "Swapped-out requests swapped back in.")
+        self.swapped_out_blocks = counter(
+            "fuel:kv_swapped_out_blocks", "KV blocks parked in the host tier by swap-outs."
+        )
+        self.swapped_in_blocks = counter(
+            "fuel:kv_swapped_in_blocks", "KV blocks brought back by swap-ins."
+        )
+        self._last: dict[tuple[str, str], float] = {}
+
+    def update(self, stats: EngineStats) -> None:
+        """KV tier gauges, and counter deltas against the totals seen last time."""
+        snap = stats.kv_tiers
+        last = self._last
+        values = self._values
+
+        def advance(key: tuple[str, str], total: float, metric: Counter) -> None:
+            prev = last.get(key, 0.0)
+            d = total - prev if total >= prev else total
+            if d:
+                metric.inc(d)
+            last[key] = total
+
+        self.num_requests_swapped.set(snap.num_swapped_waiting)
+        host = snap.tier("host")
+        self.cpu_cache_usage.set(
+            host.used_blocks / host.capacity_blocks if host and host.capacity_blocks else 0.0
+        )
+        for t in snap.tiers:
+            for name, g in self._tier_gauges.items():
+                g.labels(*values, t.tier).set(getattr(t, name))
+            for name, c in self._tier_counters.items():
+                advance((name, t.tier), getattr(t, name), c.labels(*values, t.tier))
+        for direction, n in snap.bytes_moved:
+            advance(("bytes", direction), n, self._offload_bytes.labels(*values, direction))
+        for direction, sec in snap.seconds:
+            advance(("seconds", direction), sec, self._offload_time.labels(*values, direction))
+        advance(("external", "queries"), snap.external_queries, self.external_prefix_cache_queries)
+        advance(("external", "hits"), snap.external_hits, self.external_prefix_cache_hits)
+        cached = stats.prefix_cache_hits + snap.external_hits
+        advance(("prompt", "cached"), cached, self.prompt_tokens_cached)
+        advance(("swap", "outs"), snap.swap_outs, self.swap_outs)
+        advance(("swap", "ins"), snap.swap_ins, self.swap_ins)
+        advance(("swap", "out_blocks"), snap.swapped_out_blocks, self.swapped_out_blocks)
+        advance(("swap", "in_blocks"), snap.swapped_in_blocks, self.swapped_in_blocks)
 
 
 def _delta(total: int, previous: int) -> int:

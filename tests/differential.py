@@ -203,6 +203,44 @@ def run_warm_cache(
     return out
 
 
+def run_from_tier(
+    make: EngineFactory, cases: Sequence[Case], tier: str, **settings: Any
+) -> list[list[Answer]]:
+    """Each case twice, the second time served from KV tier ``tier``.
+
+    ``host``: one engine whose device pool is too small to keep the first
+    run's blocks (the cases run one after another, so the cached blocks pile
+    up and the oldest are evicted), so the second run finds them demoted to
+    the host tier.
+    ``disk``: the first run in one engine, which then closes (flushing its
+    tiers); the second in a fresh engine on the same directory, whose host
+    tier starts empty. Prompt logprobs are off (as in ``run_warm_cache``).
+    """
+    import tempfile
+
+    def params(c: Case) -> SamplingParams:
+        return replace(greedy_params(c), prompt_logprobs=None)
+
+    first = [Submission(f"w{i}", list(c.prompt), params(c)) for i, c in enumerate(cases)]
+    out = []
+    with tempfile.TemporaryDirectory() as disk_dir:
+        if tier == "disk":
+            settings = {**settings, "kv_offloading_disk_path": disk_dir}
+        eng = make(**settings)
+        for sub in first:
+            drive(eng, [sub])
+        if tier == "disk":
+            eng.close()
+            eng = make(**settings)
+        before = eng.kv.hits_by_tier[tier]
+        for i, c in enumerate(cases):
+            got = drive(eng, [Submission(f"r{i}", list(c.prompt), params(c))])
+            out.append(got[f"r{i}"])
+        assert eng.kv.hits_by_tier[tier] > before, f"the second run had no {tier}-tier hits"
+        eng.close()
+    return out
+
+
 def grammar_for(answer_text: str) -> StructuredOutputSpec:
     """A regex that allows exactly ``answer_text`` (so greedy must produce it again)."""
     import re

@@ -46,7 +46,7 @@ def test_hash_is_chained_and_salted() -> None:
 def test_prefix_hit_lengths_refcounts_and_lru_order() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = make_req("a", list(range(10)))  # 2 full blocks + 2 tokens
-    assert kv.find_cached_prefix(a) == []
+    assert len(kv.find_cached_prefix(a)) == 0
     assert kv.allocate_slots(a, 10)
     assert a.block_ids == [0, 1, 2]
     a.num_computed_tokens = 10
@@ -54,7 +54,8 @@ def test_prefix_hit_lengths_refcounts_and_lru_order() -> None:
     # Same 8-token prefix, different tail: hits exactly the two full blocks.
     b = make_req("b", [*range(8), 99, 98, 97])
     hits = kv.find_cached_prefix(b)
-    assert [h.block_id for h in hits] == [0, 1]
+    assert [h.block_id for h in hits.device_blocks] == [0, 1]
+    assert hits.origins == ["device", "device"] and hits.num_tokens == 8
     assert kv.allocate_slots(b, 3, hits)
     assert b.num_computed_tokens == 8 and b.block_ids == [0, 1, 3]
     assert [kv.pool.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
@@ -86,8 +87,8 @@ def test_salt_isolates() -> None:
     assert kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
     kv.cache_computed_blocks(a)
-    assert kv.find_cached_prefix(make_req("b", list(range(9)), salt="t2")) == []
-    assert kv.find_cached_prefix(make_req("c", list(range(9)))) == []
+    assert len(kv.find_cached_prefix(make_req("b", list(range(9)), salt="t2"))) == 0
+    assert len(kv.find_cached_prefix(make_req("c", list(range(9))))) == 0
     assert len(kv.find_cached_prefix(make_req("d", list(range(9)), salt="t1"))) == 2
 
 

@@ -11,6 +11,12 @@ request runs alone (the reference, prefix cache off) or:
 - ``no_chunking``: with chunked prefill off;
 - ``prefix_warm``: from a warm prefix cache (full and partial hits);
 - ``preempt``: in a KV cache so small that requests are preempted and recomputed;
+- ``preempt_swap``: the same, with ``--preemption-mode swap`` (the victims' blocks
+  parked in the host tier and brought back, nothing recomputed);
+- ``prefix_host``: from the host KV tier (the device pool evicted the first run's
+  blocks, which were demoted and are promoted back);
+- ``prefix_disk``: from the disk KV tier, in a fresh engine on the directory the
+  first engine flushed to when it closed;
 - ``n4``: as one of ``n: 4`` greedy choices (each choice is the answer);
 - ``torch_attention``: on the torch attention backend instead of the native one;
 - ``grammar``: under a regex that allows exactly the reference text;
@@ -63,6 +69,7 @@ from tests.differential import (
     greedy_params,
     make_cases,
     run_alone,
+    run_from_tier,
     run_together,
     run_warm_cache,
 )
@@ -90,6 +97,7 @@ class Model:
     base: dict[str, Any]
     cases: tuple[Case, ...]
     preempt: dict[str, Any]  # a KV cache small enough to force preemptions
+    tiers: dict[str, Any]  # a device pool too small to keep the cases, and a host tier
 
     def factory(self, mode: dict[str, Any]) -> EngineFactory:
         def make(**overrides: Any) -> LLMEngine:
@@ -116,6 +124,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Model:
         # Token ids 17..255: printable single-byte tokens and byte-level pieces.
         cases=tuple(make_cases(7, 16, (17, 256), max_prompt=48, max_tokens=10)),
         preempt={"num_gpu_blocks_override": 40},
+        tiers={"num_gpu_blocks_override": 40, "num_host_blocks_override": 512},
     )
 
 
@@ -141,6 +150,7 @@ def smollm() -> Model:
         cases=tuple(make_cases(11, 4, (300, 20000), max_prompt=40, max_tokens=6)),
         # Small blocks, so that decodes cross block boundaries in a full pool.
         preempt={"num_gpu_blocks_override": 24, "block_size": 4},
+        tiers={"num_gpu_blocks_override": 4, "num_host_blocks_override": 64},
     )
 
 
@@ -160,6 +170,11 @@ class Axis:
 
 def _preempted(eng: LLMEngine) -> None:
     assert eng.scheduler.num_preemptions > 0, "the preemption axis did not preempt"
+
+
+def _swapped(eng: LLMEngine) -> None:
+    assert eng.scheduler.num_swap_preemptions > 0, "the swap axis did not swap"
+    assert eng.stats.kv_tiers.swap_ins > 0, "no swapped request came back"
 
 
 def _grammar(model: Model, make: EngineFactory, ref: list[Answer]) -> list[list[Answer]]:
@@ -199,6 +214,24 @@ AXES: dict[str, Axis] = {
     "preempt": Axis(
         lambda m, make, ref: run_together(make, list(m.cases), check=_preempted, **m.preempt)
     ),
+    "preempt_swap": Axis(
+        lambda m, make, ref: run_together(
+            make,
+            list(m.cases),
+            check=_swapped,
+            **m.preempt,
+            preemption_mode="swap",
+            num_host_blocks_override=256,
+        )
+    ),
+    "prefix_host": Axis(
+        lambda m, make, ref: run_from_tier(make, list(m.cases), "host", **m.tiers),
+        prompt_logprobs=False,
+    ),
+    "prefix_disk": Axis(
+        lambda m, make, ref: run_from_tier(make, list(m.cases), "disk", **m.tiers),
+        prompt_logprobs=False,
+    ),
     "n4": Axis(lambda m, make, ref: run_together(make, list(m.cases), n=4)),
     "torch_attention": Axis(
         lambda m, make, ref: run_together(make, list(m.cases), attention_backend="torch")
@@ -218,6 +251,9 @@ SMOLLM_AXES = (
     "prefix_warm",
     "prefix_warm_prompt_logprobs",
     "preempt",
+    "preempt_swap",
+    "prefix_host",
+    "prefix_disk",
     "n4",
     "grammar",
 )

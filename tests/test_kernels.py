@@ -974,3 +974,85 @@ def test_fused_moe_matches_reference(
     assert got.dtype == dtype and got.shape == (t, h)
     atol, rtol = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3)}.get(dtype, (3e-2, 3e-2))
     torch.testing.assert_close(got.float(), ref, atol=atol, rtol=rtol)
+
+
+# ------------------------------------------------------------------ RoPE position shift
+
+
+def _cos_sin(rope_scaling: dict[str, Any] | None, head_dim: int, max_pos: int) -> torch.Tensor:
+    """The model's own cos|sin table (engine/models/llama.py) for a tiny config."""
+    from engine.models.config import ModelConfig
+    from engine.models.llama import RotaryEmbedding
+
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=8,
+        hidden_size=head_dim * 2,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        rms_norm_eps=1e-6,
+        rope_theta=500000.0 if rope_scaling else 10000.0,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=False,
+    )
+    return RotaryEmbedding(cfg).cos_sin_cache
+
+
+_LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,  # short: all three frequency bands occur
+}
+
+
+@pytest.mark.parametrize("scaling", [None, _LLAMA3], ids=["plain", "llama3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rope_shift_matches_keys_rotated_at_new_positions(
+    scaling: dict[str, Any] | None, dtype: torch.dtype
+) -> None:
+    """Keys rotated at p, shifted to p' in place (Triton and the torch reference),
+    equal the raw keys rotated at p' directly; untouched slots stay as they were."""
+    from engine.models.ops import apply_rope
+    from kernels.rope_shift import rope_shift_paged, rope_shift_paged_ref
+
+    gen = torch.Generator().manual_seed(5)
+    nb, bs, hkv, d, max_pos = 5, 4, 3, 32, 512
+    table = _cos_sin(scaling, d, max_pos)
+    raw = torch.randn(nb * bs, hkv, d, generator=gen)
+    old = torch.randint(0, max_pos, (nb * bs,), generator=gen)
+    new = torch.randint(0, max_pos, (nb * bs,), generator=gen)
+
+    def rotated(pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = table[pos].unsqueeze(1).chunk(2, dim=-1)
+        return apply_rope(raw, cos, sin)
+
+    cache = rotated(old).view(nb, bs, hkv, d).to(dtype)
+    slots = torch.tensor([3, 0, 17, 9, 12, 5])  # a subset, out of order
+    want = cache.clone().view(nb * bs, hkv, d)
+    want[slots] = rotated(new)[slots].to(dtype)
+    for fn in (rope_shift_paged, rope_shift_paged_ref):
+        got = cache.clone().to(DEVICE)
+        fn(got, slots.to(DEVICE), old[slots].to(DEVICE), new[slots].to(DEVICE), table.to(DEVICE))
+        # Shifting costs one rounding to the cache dtype: fp32 ~1e-6; fp16/bf16
+        # the dtype's ulp of O(1) keys (the shift itself is computed in fp32).
+        atol = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+        torch.testing.assert_close(got.view(nb * bs, hkv, d).cpu(), want, rtol=0, atol=atol)
+
+
+def test_rope_shift_rejects_positions_outside_the_table() -> None:
+    from kernels.rope_shift import rope_shift_paged_ref
+
+    cache = torch.zeros(1, 4, 1, 8)
+    table = torch.zeros(16, 8)
+    with pytest.raises(ValueError, match="outside"):
+        rope_shift_paged_ref(cache, torch.tensor([0]), torch.tensor([0]), torch.tensor([16]), table)
+    with pytest.raises(ValueError, match="head_dim"):
+        rope_shift_paged_ref(
+            cache, torch.tensor([0]), torch.tensor([0]), torch.tensor([1]), table[:, :4]
+        )

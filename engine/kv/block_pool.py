@@ -20,18 +20,29 @@ import hashlib
 import struct
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
 @dataclass(eq=False)
 class KVBlock:
-    """Bookkeeping for one block of ``block_size`` KV slots."""
+    """Bookkeeping for one block of ``block_size`` KV slots.
+
+    ``positions`` are the position ids the block's keys were rotated with,
+    slot by slot (kept for RoPE: ``KVFormat.rerotate_keys`` moves them). The
+    KV manager sets them when it hands the block to a request; a plain
+    request's block ``i`` holds positions ``i * block_size ...``. The host and
+    disk tiers store them beside each block they keep. The tiers below the
+    device reuse this class for their own entries (``block_id`` is then their
+    slot or serial number, ``ref_count`` their pin count), so that one
+    ``EvictionPolicy`` serves every tier.
+    """
 
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens a hashed block holds (hit verification)
+    positions: Sequence[int] | None = None
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
@@ -98,7 +109,15 @@ class LRUEvictionPolicy(EvictionPolicy):
 class BlockPool:
     """All KV blocks of the cache, with a free stack and a prefix-cache index."""
 
-    def __init__(self, num_blocks: int, eviction: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        eviction: EvictionPolicy | None = None,
+        on_evict: Callable[[KVBlock], None] | None = None,
+    ) -> None:
+        """``on_evict(block)`` is called when a cached block is reclaimed for reuse,
+        before its hash is dropped and before anyone can write into it (the KV
+        manager demotes it to the host tier there)."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -107,6 +126,8 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: EvictionPolicy = eviction or LRUEvictionPolicy()
         self._cached: dict[bytes, KVBlock] = {}
+        self._on_evict = on_evict
+        self.num_evicted = 0  # cached blocks reclaimed for reuse (counter)
 
     # ---- counts -------------------------------------------------------
     @property
@@ -133,6 +154,9 @@ class BlockPool:
             block = self.blocks[self._free.pop()]
         elif len(self._evictable):
             block = self._evictable.pop_victim()
+            self.num_evicted += 1
+            if self._on_evict is not None:
+                self._on_evict(block)
             self._uncache(block)
         else:
             raise RuntimeError("KV block pool exhausted")
@@ -178,6 +202,11 @@ class BlockPool:
                 del self._cached[block.block_hash]
             block.block_hash = None
             block.token_ids = None
+        block.positions = None
+
+    def cached_blocks(self) -> list[KVBlock]:
+        """Every block registered in the prefix cache (referenced or evictable)."""
+        return list(self._cached.values())
 
     def reset_prefix_cache(self) -> int:
         """Forget every evictable cached block; returns how many were dropped."""
@@ -200,7 +229,12 @@ class BlockPool:
                 f"block accounting broken: {referenced} referenced + {len(self._free)} free "
                 f"+ {len(self._evictable)} evictable != {self.num_blocks}"
             )
+        for key, b in self._cached.items():
+            if b.block_hash != key:
+                raise AssertionError(f"cached block {b.block_id} is indexed under another key")
         for b in self.blocks:
+            if b.block_hash is not None and self._cached.get(b.block_hash) is not b:
+                raise AssertionError(f"hashed block {b.block_id} is missing from the index")
             if b.ref_count < 0:
                 raise AssertionError(f"block {b.block_id} has negative reference count")
             if b.ref_count > 0 and (b.block_id in free or b in self._evictable):

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.kv.format import KVFormat, PlainKVFormat
 from engine.models.moe_routing import RoutingContext, request_key
 from engine.models.native_step import NativeDecodeStep
 from engine.outputs import PositionLogprobs, TokenLogprob
@@ -58,14 +58,20 @@ class ModelRunner:
         device: torch.device,
         kv_dtype: torch.dtype,
         moe_capacity_factor: float | None = None,
+        kv_format: KVFormat | None = None,
     ) -> None:
+        """The KV caches are allocated by ``kv_format`` (engine/kv/format.py;
+        default: plain ``kv_dtype`` blocks), which also moves blocks in and out
+        of them for the KV tiers."""
         self.model = model
         self.moe_capacity_factor = moe_capacity_factor
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = _kv_caches(num_layers, shape, kv_dtype, device)
+        self.kv_format = kv_format or PlainKVFormat(
+            num_layers, block_size, num_kv_heads, head_dim, kv_dtype
+        )
+        self.kv_caches = self.kv_format.allocate(num_blocks, device)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
         # The fused native decode step (CPU), set by the engine where the model qualifies.
@@ -232,32 +238,6 @@ class ModelRunner:
             )
             for j in range(n)
         ]
-
-
-_NUMPY_KV_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
-
-
-def _kv_caches(
-    num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed ``(k, v)`` caches of ``shape`` per layer.
-
-    On the CPU all layers share one calloc'd buffer (numpy's zeros): the kernel
-    hands back untouched zero pages, resident only once a block is written, so
-    the server's RSS follows the cache in use; ``torch.zeros`` writes every page
-    at start-up (1 GiB resident for the default ``--kv-cache-memory``). Each
-    layer's k and v are contiguous views of it.
-    """
-    if device.type == "cpu" and dtype in _NUMPY_KV_DTYPES:
-        whole = torch.from_numpy(np.zeros((num_layers, 2, *shape), dtype=_NUMPY_KV_DTYPES[dtype]))
-        return [(whole[i, 0], whole[i, 1]) for i in range(num_layers)]
-    return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(num_layers)
-    ]
 
 
 def _capacity_counts(

@@ -1,0 +1,255 @@
+"""KV formats: how one block's keys and values are laid out in memory, per layer.
+
+A *format* owns the per-layer cache tensors' shapes and dtypes and the
+operations that move whole blocks in and out of them. Everything outside the
+format, the KV tiers in particular, sees a block only as ``block_nbytes``
+opaque bytes: a host or disk tier stores those bytes and never knows whether
+they hold float32, float16 or (later) quantized keys with per-block scales.
+
+Contracts every format keeps:
+
+* ``allocate(num_blocks, device)`` returns the per-layer caches the attention
+  backends read (for ``PlainKVFormat``: ``(k_cache, v_cache)`` of shape
+  ``[num_blocks, block_size, num_kv_heads, head_dim]``, the layout in
+  ``engine/attention/base.py``).
+* ``read_blocks(caches, ids)`` returns ``[n, block_nbytes]`` uint8 on the
+  caches' device, one row per block in ``ids`` order; ``write_blocks`` is its
+  exact inverse (``write_blocks(c, ids, read_blocks(c, ids))`` is a no-op, and
+  bytes read from one engine and written into another with the same
+  ``describe()`` reproduce the block bit for bit). Both are batched: one call
+  moves any number of blocks (a few tensor ops per layer, never one per block).
+* ``rerotate_keys`` moves stored keys from the positions they were rotated
+  with to others (RoPE is a rotation, so rotating by the position delta equals
+  rotating the raw key at the new position). Values are not positional.
+* ``describe()`` names the layout (format, dtype, shape, layout version); it is
+  part of the disk tier's model fingerprint, so bytes are never read back
+  into a different layout.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kernels.rope_shift import rope_shift_paged, rope_shift_paged_ref
+
+# Per-layer cache tensors as the attention backends take them. Plain formats
+# use (k_cache, v_cache); a quantized format may carry scales in extra tensors
+# and extend the backends' signature (issue 16), which is why the format, not
+# its callers, interprets them.
+LayerCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVFormat(ABC):
+    """How a block's bytes are laid out per layer, and batched block copies."""
+
+    name: str = "abstract"
+    # Bumped whenever a format's byte layout changes: stale disk blocks then miss.
+    layout_version: int = 1
+
+    def __init__(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    @property
+    @abstractmethod
+    def block_nbytes(self) -> int:
+        """Bytes of one block across every layer, keys and values (what a tier stores)."""
+
+    @abstractmethod
+    def allocate(self, num_blocks: int, device: torch.device) -> LayerCaches:
+        """Zeroed per-layer caches holding ``num_blocks`` blocks."""
+
+    @abstractmethod
+    def read_blocks(
+        self, caches: LayerCaches, block_ids: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[n, block_nbytes]`` uint8 (caches' device): the bytes of ``block_ids``
+        (int64), written into ``out`` (contiguous, same shape) when given."""
+
+    @abstractmethod
+    def write_blocks(
+        self, caches: LayerCaches, block_ids: torch.Tensor, data: torch.Tensor
+    ) -> None:
+        """Overwrite blocks ``block_ids`` with rows of ``data`` (``[n, block_nbytes]`` uint8)."""
+
+    @abstractmethod
+    def rerotate_keys(
+        self,
+        caches: LayerCaches,
+        block_ids: torch.Tensor,
+        old_positions: torch.Tensor,
+        new_positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> None:
+        """Move the keys of ``block_ids`` from ``old_positions`` to ``new_positions``.
+
+        ``old_positions``/``new_positions`` are int64 ``[n, block_size]`` (slot
+        ``j`` of block ``i``); ``cos_sin`` is the model's ``[max_pos, head_dim]``
+        table (cos | sin, engine/models/llama.py), so RoPE scaling is whatever
+        the model uses. In place, every layer.
+        """
+
+    def describe(self) -> str:
+        """The layout's identity (goes into the disk tier's fingerprint)."""
+        return (
+            f"{self.name}/v{self.layout_version}/L{self.num_layers}/bs{self.block_size}"
+            f"/h{self.num_kv_heads}/d{self.head_dim}"
+        )
+
+
+def _cpu_rows(cache: torch.Tensor) -> np.ndarray:
+    """A CPU cache as ``[num_blocks, block bytes]`` uint8 numpy rows (a view, no copy).
+
+    Why numpy for CPU block copies: they are memory-bound row gathers, which
+    one thread does at memory speed, and numpy runs them on the calling thread.
+    torch's ``index_select`` opens an OpenMP parallel region per call, and on a
+    loaded machine (more runnable threads than cores) every region waits for
+    its slowest thread. Measured on the shared 2-core machine (load ~10, 2
+    torch threads; ``python -m benchmarks.kv_copy_bench``), gathering 32
+    blocks of the default model's layout (23.6 MB): 216 ms median through
+    ``index_select``, 22 ms through numpy; scattering 147 ms vs 20 ms.
+    """
+    return cache.view(cache.shape[0], -1).view(torch.uint8).numpy()
+
+
+class PlainKVFormat(KVFormat):
+    """Unquantized keys and values in one dtype (float32, float16 or bfloat16).
+
+    A block's bytes are ``[num_layers, 2 (k, v), block_size, num_kv_heads,
+    head_dim]`` elements of ``dtype``, row-major: exactly the block's slices of
+    the per-layer caches, concatenated.
+    """
+
+    name = "plain"
+
+    def __init__(
+        self,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__(num_layers, block_size, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self._elem = torch.empty((), dtype=dtype).element_size()
+        self._block_elems = block_size * num_kv_heads * head_dim
+
+    @property
+    def block_nbytes(self) -> int:
+        return 2 * self.num_layers * self._block_elems * self._elem
+
+    def allocate(self, num_blocks: int, device: torch.device) -> LayerCaches:
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return zeroed_layer_caches(self.num_layers, shape, self.dtype, device)
+
+    def _check(self, caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if len(caches) != self.num_layers:
+            raise ValueError(f"got {len(caches)} layer caches, format has {self.num_layers}")
+
+    def read_blocks(
+        self, caches: LayerCaches, block_ids: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        self._check(caches)
+        n = int(block_ids.shape[0])
+        device = caches[0][0].device
+        if out is None:
+            out = torch.empty((n, self.block_nbytes), dtype=torch.uint8, device=device)
+        elif out.dtype != torch.uint8 or tuple(out.shape) != (n, self.block_nbytes):
+            raise ValueError(f"out must be uint8 [{n}, {self.block_nbytes}]")
+        if device.type == "cpu":
+            o = out.numpy().reshape(n, self.num_layers, 2, -1)
+            ids = block_ids.numpy()
+            for layer, (k_cache, v_cache) in enumerate(caches):
+                o[:, layer, 0] = _cpu_rows(k_cache)[ids]
+                o[:, layer, 1] = _cpu_rows(v_cache)[ids]
+            return out
+        # One gather per layer and side into the block's byte order.
+        o_t = out.view(self.dtype).view(n, self.num_layers, 2, self._block_elems)
+        for layer, (k_cache, v_cache) in enumerate(caches):
+            o_t[:, layer, 0] = k_cache.view(k_cache.shape[0], -1).index_select(0, block_ids)
+            o_t[:, layer, 1] = v_cache.view(v_cache.shape[0], -1).index_select(0, block_ids)
+        return out
+
+    def write_blocks(
+        self, caches: LayerCaches, block_ids: torch.Tensor, data: torch.Tensor
+    ) -> None:
+        self._check(caches)
+        n = int(block_ids.shape[0])
+        if data.dtype != torch.uint8 or tuple(data.shape) != (n, self.block_nbytes):
+            raise ValueError(
+                f"block data must be uint8 [{n}, {self.block_nbytes}], got "
+                f"{data.dtype} {tuple(data.shape)}"
+            )
+        data = data.contiguous()
+        if data.device.type == "cpu":
+            d = data.numpy().reshape(n, self.num_layers, 2, -1)
+            ids = block_ids.numpy()
+            for layer, (k_cache, v_cache) in enumerate(caches):
+                _cpu_rows(k_cache)[ids] = d[:, layer, 0]
+                _cpu_rows(v_cache)[ids] = d[:, layer, 1]
+            return
+        elems = data.view(self.dtype).view(n, self.num_layers, 2, self._block_elems)
+        for layer, (k_cache, v_cache) in enumerate(caches):
+            k_cache.view(k_cache.shape[0], -1).index_copy_(0, block_ids, elems[:, layer, 0])
+            v_cache.view(v_cache.shape[0], -1).index_copy_(0, block_ids, elems[:, layer, 1])
+
+    def describe(self) -> str:
+        return f"{super().describe()}/{str(self.dtype).removeprefix('torch.')}"
+
+    def rerotate_keys(
+        self,
+        caches: LayerCaches,
+        block_ids: torch.Tensor,
+        old_positions: torch.Tensor,
+        new_positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> None:
+        self._check(caches)
+        n = int(block_ids.shape[0])
+        bs = self.block_size
+        if tuple(old_positions.shape) != (n, bs) or tuple(new_positions.shape) != (n, bs):
+            raise ValueError(f"positions must be [{n}, {bs}]")
+        device = caches[0][0].device
+        offs = torch.arange(bs, device=device, dtype=torch.int64)
+        slots = (block_ids.to(device=device, dtype=torch.int64)[:, None] * bs + offs).reshape(-1)
+        old = old_positions.to(device=device, dtype=torch.int64).reshape(-1)
+        new = new_positions.to(device=device, dtype=torch.int64).reshape(-1)
+        table = cos_sin.to(device=device, dtype=torch.float32)
+        # Triton on CUDA; the vectorised torch version everywhere else (it is the
+        # reference too: one gather, one rotation, one scatter per layer).
+        shift = rope_shift_paged if device.type == "cuda" else rope_shift_paged_ref
+        for k_cache, _ in caches:
+            shift(k_cache, slots, old, new, table)
+
+
+_NUMPY_KV_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+
+
+def zeroed_layer_caches(
+    num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed ``(k, v)`` caches of ``shape`` per layer.
+
+    On the CPU all layers share one calloc'd buffer (numpy's zeros): the kernel
+    hands back untouched zero pages, resident only once a block is written, so
+    the server's RSS follows the cache in use; ``torch.zeros`` writes every page
+    at start-up (1 GiB resident for the default ``--kv-cache-memory``). Each
+    layer's k and v are contiguous views of it.
+    """
+    if device.type == "cpu" and dtype in _NUMPY_KV_DTYPES:
+        whole = torch.from_numpy(np.zeros((num_layers, 2, *shape), dtype=_NUMPY_KV_DTYPES[dtype]))
+        return [(whole[i, 0], whole[i, 1]) for i in range(num_layers)]
+    return [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(num_layers)
+    ]
