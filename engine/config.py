@@ -15,7 +15,7 @@ from typing import Literal
 from engine.settings import setting, validate_fields
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
-KVCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
+KVCacheDType = Literal["auto", "float32", "float16", "bfloat16", "kivi4", "kivi2"]
 Device = Literal["auto", "cpu", "cuda"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
@@ -55,8 +55,29 @@ class EngineConfig:
         "auto",
         "KV cache element type. auto: float16 on the CPU with the native attention backend "
         "(half the bytes per decode step; quality measured in docs/benchmarks/cpu.md), the "
-        "model's dtype elsewhere. Exact mode: float32 (with --cpu-linear onednn). fp8 is not "
-        "supported.",
+        "model's dtype elsewhere. Exact mode: float32 (with --cpu-linear onednn). kivi4/kivi2: "
+        "KIVI 4-/2-bit blocks (keys per channel, values per token, float16 scales and "
+        "residual group; needs --block-size a multiple of --kivi-group-size, 256 for the "
+        "full compression). fp8 is not supported.",
+    )
+    kivi_group_size: int = setting(
+        32,
+        "KIVI: tokens per key quantization group (and channels per value group, at most "
+        "the head size); must divide --block-size.",
+        minimum=1,
+    )
+    kivi_residual_length: int | None = setting(
+        None,
+        "KIVI: newest tokens kept at float16 before they are quantized; a multiple of "
+        "--kivi-group-size. Default and only value built: one group (each query reads its "
+        "own group at float16, older groups quantized).",
+        minimum=1,
+    )
+    kv_low_rank_keys: int | None = setting(
+        None,
+        "Store keys in a per-layer, per-head rank-RANK basis (at most the head size). Not "
+        "built yet: refused at start-up.",
+        minimum=1,
     )
     gpu_memory_utilization: float = setting(
         0.9, "Fraction of GPU memory to use (CUDA).", minimum=0.01, maximum=1.0
@@ -157,6 +178,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         validate_fields(self)
+        self._check_kivi()
         host = self.host_tier_enabled
         if self.kv_offloading_disk_path is not None and not host:
             raise ValueError(
@@ -166,6 +188,33 @@ class EngineConfig:
         if self.preemption_mode == "swap" and not host:
             raise ValueError(
                 "--preemption-mode swap needs the host tier (--kv-offloading-size > 0)"
+            )
+
+    def _check_kivi(self) -> None:
+        """KIVI settings that need no model (the head size is checked at load)."""
+        g = self.kivi_group_size
+        r = self.kivi_residual_length
+        if r is not None and r % g:
+            raise ValueError(
+                f"--kivi-residual-length {r} is not a multiple of --kivi-group-size {g}"
+            )
+        if self.kv_low_rank_keys is not None:
+            raise ValueError(
+                "--kv-low-rank-keys is not built yet (issue 16 follow-up); leave it unset"
+            )
+        if not self.kv_cache_dtype.startswith("kivi"):
+            return
+        if self.block_size % g:
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} needs --block-size a multiple of "
+                f"--kivi-group-size {g} (got {self.block_size}); pass --block-size 256 (the "
+                "block size the compression ratios in docs/benchmarks/kv-compression.md use)"
+            )
+        if r is not None and r != g:
+            raise ValueError(
+                f"--kivi-residual-length {r}: only one group ({g}) is built: a longer "
+                "float16 window would need per-sequence memory outside the block pool, or "
+                "blocks that change after they are full (and hashed)"
             )
 
     @property

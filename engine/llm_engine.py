@@ -25,7 +25,8 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv.block_pool import KVBlock
 from engine.kv.builder import build_hierarchy
-from engine.kv.format import PlainKVFormat
+from engine.kv.format import KVFormat, PlainKVFormat
+from engine.kv.kivi_format import KiviKVFormat
 from engine.kv.hierarchy import KVHierarchy
 from engine.kv.manager import KVCacheManager
 from engine.kv.transfer import KVTransferExecutor
@@ -98,6 +99,10 @@ def resolve_kv_cache_dtype(
     Raises:
         ValueError: a non-model dtype asked for on CUDA.
     """
+    if name.startswith("kivi"):
+        # KIVI's residual group and scales are float16 (the element type reported
+        # beside the format's name).
+        return torch.float16
     if name == "auto":
         native = isinstance(backend, CpuNativeAttentionBackend)
         return torch.float16 if device.type == "cpu" and native else dtype
@@ -143,6 +148,8 @@ class EngineInfo:
     kv_cache_dtype: torch.dtype = torch.float32
     attention: str = "?"
     decode_step: str = "per_layer"
+    kv_cache_format: str | None = None  # a quantized format's name (kivi4/kivi2)
+    kv_bytes_per_token: float = 0.0
 
     def execution(self) -> dict[str, str]:
         """The execution path, as served in ``/v1/models`` (``fuel`` field) and logged."""
@@ -150,13 +157,28 @@ class EngineInfo:
             "device": self.device.type,
             "dtype": str(self.dtype).removeprefix("torch."),
             "cpu_linear": self.cpu_linear,
-            "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
+            "kv_cache_dtype": self.kv_cache_format
+            or str(self.kv_cache_dtype).removeprefix("torch."),
             "attention": self.attention,
             "decode_step": self.decode_step,
         }
 
     num_host_blocks: int = 0
     disk_tier_path: str | None = None
+
+    def cache_config(self) -> dict[str, str]:
+        """vLLM's ``vllm:cache_config_info`` labels (num_gpu_blocks, block_size,
+        cache_dtype, ...), as strings; ``num_gpu_blocks`` is the device pool's
+        block count on the CPU too (vLLM's name)."""
+        return {
+            "block_size": str(self.block_size),
+            "cache_dtype": self.execution()["kv_cache_dtype"],
+            "num_gpu_blocks": str(self.num_blocks),
+            "num_cpu_blocks": str(self.num_host_blocks),
+            "enable_prefix_caching": "True",
+            "kv_tokens": str(self.num_blocks * self.block_size),
+            "kv_bytes_per_token": f"{self.kv_bytes_per_token:.1f}",
+        }
 
 
 class LLMEngine:
@@ -208,8 +230,11 @@ class LLMEngine:
             model.set_ops(NativeCpuModelOps(backend.kernels))
         self.model = model
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, device, dtype, backend)
-        num_blocks = self._num_blocks(device, kv_dtype, max_len)
-        hierarchy = self._build_kv(num_blocks, max_len, device, dtype, kv_dtype, path, backend.name)
+        kv_format = self._kv_format(kv_dtype, backend.name)
+        num_blocks = self._num_blocks(device, kv_format.block_nbytes, dtype, max_len)
+        hierarchy = self._build_kv(
+            num_blocks, max_len, device, dtype, kv_format, path, backend.name
+        )
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(max_len)
         decode_step = self._enable_native_decode(device)
@@ -231,6 +256,18 @@ class LLMEngine:
             disk_tier_path=(
                 str(hierarchy.disk.root) if hierarchy is not None and hierarchy.disk else None
             ),
+            kv_cache_format=(
+                config.kv_cache_dtype if isinstance(kv_format, KiviKVFormat) else None
+            ),
+            kv_bytes_per_token=kv_format.bytes_per_token,
+        )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f bytes/token)",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            self.info.execution()["kv_cache_dtype"],
+            kv_format.bytes_per_token,
         )
         logger.info(
             "execution: linears %s (%s), kv cache %s, attention %s, decode steps %s",
@@ -251,23 +288,52 @@ class LLMEngine:
             self.traces = TraceStore(config.max_traces)
             self.tracer = TraceRecorder(self.traces, log_prompts=config.log_prompts)
 
+    def _kv_format(self, kv_dtype: torch.dtype, backend_name: str) -> KVFormat:
+        """The KV block format of ``--kv-cache-dtype`` (plain, or KIVI).
+
+        Raises:
+            ValueError: KIVI on a backend that cannot read it, or a head size
+                the KIVI layout does not divide.
+        """
+        cfg = self.config
+        mc = self.model_config
+        name = cfg.kv_cache_dtype
+        if not name.startswith("kivi"):
+            return PlainKVFormat(
+                mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
+            )
+        if backend_name == "triton":
+            raise ValueError(
+                f"--kv-cache-dtype {name}: the Triton attention backend has no KIVI read path "
+                "yet; use --attention-backend torch (or the CPU)"
+            )
+        try:
+            return KiviKVFormat(
+                mc.num_hidden_layers,
+                cfg.block_size,
+                mc.num_key_value_heads,
+                mc.head_dim,
+                bits=4 if name == "kivi4" else 2,
+                group_size=cfg.kivi_group_size,
+            )
+        except ValueError as e:
+            raise ValueError(f"--kv-cache-dtype {name}: {e}") from e
+
     def _build_kv(
         self,
         num_blocks: int,
         max_len: int,
         device: torch.device,
         dtype: torch.dtype,
-        kv_dtype: torch.dtype,
+        kv_format: KVFormat,
         model_path: Path,
         backend_name: str,
     ) -> KVHierarchy | None:
-        """The KV format, the tiers below the device pool, the KV manager, the
-        scheduler, the runner (which owns the caches) and the tier copier."""
+        """The tiers below the device pool, the KV manager, the scheduler, the
+        runner (which owns the caches of ``kv_format``) and the tier copier."""
         cfg = self.config
         mc = self.model_config
-        kv_format = PlainKVFormat(
-            mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
-        )
+        kv_dtype = kv_format.dtype if isinstance(kv_format, PlainKVFormat) else dtype
         # What else makes a block's bytes what they are (the disk fingerprint).
         numerics = {
             "dtype": str(dtype),
@@ -345,9 +411,11 @@ class LLMEngine:
         runner.execute(batch)
         del runner
 
-    def _num_blocks(self, device: torch.device, dtype: torch.dtype, max_len: int) -> int:
+    def _num_blocks(
+        self, device: torch.device, per_block: int, dtype: torch.dtype, max_len: int
+    ) -> int:
+        """Blocks of ``per_block`` bytes (the KV format's, every layer) the budget holds."""
         cfg = self.config
-        per_block = self.model_config.kv_bytes_per_token(dtype) * cfg.block_size
         if cfg.num_gpu_blocks_override:
             return cfg.num_gpu_blocks_override
         if device.type == "cuda":

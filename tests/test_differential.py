@@ -84,9 +84,16 @@ MODES: dict[str, dict[str, Any]] = {
     "q4_1_f16kv": {"cpu_linear": "q4_1", "kv_cache_dtype": "float16"},
     # A Q8_0 file's default linears, with a float32 cache.
     "q8_0": {"cpu_linear": "q8_0", "kv_cache_dtype": "float32"},
+    # KIVI KV formats (issue 16): 4-/2-bit blocks, groups of 4 tokens in 8-token
+    # blocks, so groups complete, blocks fill and residual groups stay partial
+    # at the cases' lengths. Exact linears: only the KV format differs from exact.
+    "kivi4": {**EXACT, "kv_cache_dtype": "kivi4", "block_size": 8, "kivi_group_size": 4},
+    "kivi2": {**EXACT, "kv_cache_dtype": "kivi2", "block_size": 8, "kivi_group_size": 4},
 }
 # Modes compared within ROUNDED_LOGPROB_ATOL (tests/differential.py says why).
-ROUNDED_MODES = frozenset({"q4_1_f16kv", "q8_0"})
+# KIVI rounds keys/values to 4 or 2 bits: a last-bit difference of a batched
+# matmul can move a code or a float16 scale, which shows as ~1e-4 in a logprob.
+ROUNDED_MODES = frozenset({"q4_1_f16kv", "q8_0", "kivi4", "kivi2"})
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,13 @@ already sit in the cache (chunked prefill, prefix-cache hits).
 KV cache layout, per layer: ``k_cache`` and ``v_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Slot ``s`` is
 ``block_id * block_size + offset``.
+
+Quantized KV formats (``meta.kv_layout`` set, e.g. KIVI, kernels/kivi.py):
+``k_cache``/``v_cache`` are ``uint8 [num_blocks, side_nbytes]``, each row one
+block's packed codes, float16 scales/zero points and float16 residual rows, as
+the layout describes. A backend reads them through that layout (the runner
+sets it from the KV format every step), so neither the scheduler nor the model
+branches on the format; a backend that cannot read a layout refuses it.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from kernels.kivi import KiviLayout
 
 
 @dataclass
@@ -40,6 +49,8 @@ class AttentionMetadata:
         query_lens_cpu: per-sequence query lengths as Python ints (host copy).
         seq_lens_cpu: ``seq_lens`` as Python ints (host copy).
         query_start_loc_cpu: ``query_start_loc`` as Python ints (host copy).
+        kv_layout: the caches' quantized block layout (None: plain
+            ``[num_blocks, block_size, num_kv_heads, head_dim]`` caches).
     """
 
     query_start_loc: torch.Tensor
@@ -52,6 +63,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int]
+    kv_layout: KiviLayout | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from kernels.kivi import KiviLayout, KiviStorePlan, kivi_attention_ref, kivi_store, side_views
 
 
 def store_kv(
@@ -60,6 +61,11 @@ class StepPlan:
     nblk: int = 0
     mask: torch.Tensor | None = None
     lengths_checked: bool = False  # native kernel: seq_lens bounds checked this step
+    # KIVI caches (meta.kv_layout): where the step's tokens are stored, and per
+    # sequence the block holding its first new position (its residual rows are
+    # read before the store overwrites them).
+    kivi: KiviStorePlan | None = None
+    tail_blocks: torch.Tensor | None = None
     _keep: torch.Tensor | None = None
     _keep_known: bool = False
 
@@ -115,6 +121,8 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if meta.kv_layout is not None:
+            return self._kivi_forward(q, k, v, k_cache, v_cache, meta, meta.kv_layout, scale)
         block_size = k_cache.shape[1]
         plan = self._step_plan(meta, block_size)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.keep_rows())
@@ -127,6 +135,96 @@ class TorchAttentionBackend(AttentionBackend):
             s, e = starts[i], starts[i + 1]
             out[s:e] = self._extend(
                 q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta, i, scale, block_size
+            )
+        return out
+
+    def _kivi_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        lay: KiviLayout,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store into KIVI caches, then attend (read rule in kernels/kivi.py).
+
+        Prefill/extend chunks go through the per-sequence reference, which
+        dequantizes that sequence's own blocks; decodes go to ``_kivi_decode``
+        (the native backend reads the blocks in place there).
+        """
+        plan = self._step_plan(meta, lay.block_size)
+        if plan.kivi is None:
+            plan.kivi = KiviStorePlan.build(meta.slot_mapping, lay)
+            ctx = [s - n for s, n in zip(meta.seq_lens_cpu, meta.query_lens_cpu)]
+            rows = torch.arange(meta.num_seqs, device=meta.block_tables.device)
+            cols = torch.tensor([c // lay.block_size for c in ctx], device=rows.device)
+            plan.tail_blocks = meta.block_tables[rows, cols].long()
+        assert plan.tail_blocks is not None
+        nd = meta.num_decodes
+        # Residual rows of each extend sequence's first block, before the store.
+        tails = plan.tail_blocks[nd:]
+        k_tail = side_views(k_cache, lay, True).resid.index_select(0, tails)
+        v_tail = side_views(v_cache, lay, False).resid.index_select(0, tails)
+        kivi_store(k, v, k_cache, v_cache, plan.kivi, lay)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._kivi_decode(q[:nd], k_cache, v_cache, meta, lay, plan, scale)
+        starts = meta.query_start_loc_cpu
+        for i in range(nd, meta.num_seqs):
+            s, e = starts[i], starts[i + 1]
+            seq_len = meta.seq_lens_cpu[i]
+            out[s:e] = kivi_attention_ref(
+                q[s:e],
+                k[s:e],
+                v[s:e],
+                k_cache,
+                v_cache,
+                meta.block_tables[i, : -(-seq_len // lay.block_size)].long(),
+                seq_len,
+                k_tail[i - nd],
+                v_tail[i - nd],
+                lay,
+                scale,
+            )
+        return out
+
+    def _kivi_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        lay: KiviLayout,
+        plan: StepPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        """Decodes over KIVI caches after the store: the per-sequence reference.
+        A decode's residual rows before its own are unchanged by its store, so
+        the stored rows serve as the pre-store tail; its own k/v are read back
+        from the residual (row ``ctx % G``), exactly as stored."""
+        assert plan.tail_blocks is not None
+        ks, vs = side_views(k_cache, lay, True), side_views(v_cache, lay, False)
+        out = torch.empty_like(q)
+        g = lay.group_size
+        for i in range(q.shape[0]):
+            seq_len = meta.seq_lens_cpu[i]
+            blk = plan.tail_blocks[i]
+            row = (seq_len - 1) % g
+            out[i : i + 1] = kivi_attention_ref(
+                q[i : i + 1],
+                ks.resid[blk, row : row + 1],
+                vs.resid[blk, row : row + 1],
+                k_cache,
+                v_cache,
+                meta.block_tables[i, : -(-seq_len // lay.block_size)].long(),
+                seq_len,
+                ks.resid[blk],
+                vs.resid[blk],
+                lay,
+                scale,
             )
         return out
 

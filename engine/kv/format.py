@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kernels.kivi import KiviLayout
 from kernels.rope_shift import rope_shift_paged, rope_shift_paged_ref
 
 # Per-layer cache tensors as the attention backends take them. Plain formats
@@ -94,6 +95,16 @@ class KVFormat(ABC):
         table (cos | sin, engine/models/llama.py), so RoPE scaling is whatever
         the model uses. In place, every layer.
         """
+
+    def attention_layout(self) -> KiviLayout | None:
+        """The quantized layout the attention backends read (``AttentionMetadata.kv_layout``);
+        None for plain ``[num_blocks, block_size, num_kv_heads, head_dim]`` caches."""
+        return None
+
+    @property
+    def bytes_per_token(self) -> float:
+        """KV bytes one token takes across every layer (block bytes / block size)."""
+        return self.block_nbytes / self.block_size
 
     def describe(self) -> str:
         """The layout's identity (goes into the disk tier's fingerprint)."""

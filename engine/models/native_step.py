@@ -67,6 +67,8 @@ class NativeDecodeStep:
             assert isinstance(layer, LlamaDecoderLayer)
             if type(layer) is not LlamaDecoderLayer or not isinstance(layer.mlp, LlamaMLP):
                 raise ValueError("Mixture-of-Experts layers are not in the native step")
+            if kc.dtype not in (torch.float32, torch.float16) or kc.dim() != 4:
+                raise ValueError("the native step reads plain float32/float16 KV caches only")
             attn, mlp = layer.self_attn, layer.mlp
             parts = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
             if not all(isinstance(p, BlockQuantLinear) for p in parts):

@@ -87,6 +87,8 @@ class ModelRunner:
         """
         if not getattr(self.model, "supports_cuda_graphs", True):
             raise ValueError(f"{type(self.model).__name__} does not support CUDA graphs")
+        if self.kv_format.attention_layout() is not None:
+            raise ValueError(f"the {self.kv_format.name} KV format is not captured in CUDA graphs")
         backend = attention_backend_of(self.model)
         if backend is None or not backend.graph_safe:
             name = backend.name if backend is not None else "?"
@@ -145,6 +147,7 @@ class ModelRunner:
             query_lens_cpu=qlens,
             seq_lens_cpu=seq_lens,
             query_start_loc_cpu=qsl,
+            kv_layout=self.kv_format.attention_layout(),
         )
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         return input_ids, positions.to(dev, non_blocking=True), meta
