@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.kivi import KiviLayout
+
 from kernels.quant_linear import Q4_1, QuantWeight
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / "cpu_ops.c",
     Path(__file__).parent / "csrc" / "cpu_quant.c",
     Path(__file__).parent / "csrc" / "cpu_step.c",
+    Path(__file__).parent / "csrc" / "cpu_kivi.c",
 ]
 # Included by the sources: part of the build key.
 _HEADERS = [
@@ -304,6 +307,10 @@ class CpuKernels:
         fused.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         fused.restype = ctypes.c_int
         self._decode_store = fused
+        kivi = self._lib.fuel_kivi_decode_attention_f32
+        kivi.argtypes = [p, p, p, p, i64, p, p, *([i64] * 12), ctypes.c_float, ctypes.c_int]
+        kivi.restype = ctypes.c_int
+        self._kivi_decode = kivi
         f32 = ctypes.c_float
         norm = self._lib.fuel_add_rms_norm_f32
         norm.argtypes = [p, p, p, p, i64, i64, f32, ctypes.c_int]
@@ -421,6 +428,88 @@ class CpuKernels:
         )
         if rc != 0:
             raise MemoryError("paged_decode_attention: scratch allocation failed")
+        return res
+
+    def kivi_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        layout: KiviLayout,
+        scale: float,
+        *,
+        check_lengths: bool = True,
+    ) -> torch.Tensor:
+        """Decode attention (one query per sequence, its key/value stored) over KIVI
+        blocks read in place (csrc/cpu_kivi.c). Same result as
+        :func:`kernels.kivi.kivi_attention_ref` on each sequence; ``q`` float32
+        ``[nd, Hq, D]`` contiguous; caches ``uint8 [num_blocks, side_nbytes]``;
+        ``block_tables``/``seq_lens`` int32 as for :meth:`paged_decode_attention`.
+        Anything else raises ValueError rather than reading wrong memory."""
+        nd, hq, d = q.shape
+        lay = layout
+        checks = [
+            (q.dtype == torch.float32 and q.is_contiguous(), "contiguous float32 q"),
+            (
+                all(
+                    c.dtype == torch.uint8
+                    and c.is_contiguous()
+                    and c.dim() == 2
+                    and c.shape[1] == lay.side_nbytes
+                    for c in (k_cache, v_cache)
+                ),
+                f"contiguous uint8 [num_blocks, {lay.side_nbytes}] caches",
+            ),
+            (k_cache.shape[0] == v_cache.shape[0], "matching caches"),
+            (d == lay.head_dim and hq % lay.num_kv_heads == 0, "q heads matching the layout"),
+            (block_tables.dtype == seq_lens.dtype == torch.int32, "int32 tables and lengths"),
+            (block_tables.dim() == 2 and block_tables.shape[0] == nd, "[nd, max_blocks] tables"),
+            (tuple(seq_lens.shape) == (nd,), "[nd] seq_lens"),
+            (block_tables.is_contiguous() and seq_lens.is_contiguous(), "contiguous tables"),
+            (all(t.device.type == "cpu" for t in (q, k_cache, v_cache)), "CPU tensors"),
+        ]
+        for ok, what in checks:
+            if not ok:
+                raise ValueError(f"kivi_decode_attention needs {what}")
+        if check_lengths and nd:
+            lo, hi = int(seq_lens.min()), int(seq_lens.max())
+            if lo < 1 or hi > block_tables.shape[1] * lay.block_size:
+                raise ValueError("seq_lens must be in [1, max_blocks * block_size]")
+            bmax = int(block_tables.max()) if block_tables.numel() else 0
+            if int(block_tables.min()) < 0 or bmax >= k_cache.shape[0]:
+                raise ValueError("block ids out of range")
+        res = torch.empty_like(q)
+        if nd == 0:
+            return res
+        rc = self._kivi_decode(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            res.data_ptr(),
+            nd,
+            hq,
+            lay.num_kv_heads,
+            d,
+            lay.block_size,
+            lay.group_size,
+            lay.value_group,
+            lay.bits,
+            lay.side_nbytes,
+            lay.scale_offset,
+            lay.zero_offset,
+            lay.resid_offset,
+            scale,
+            torch.get_num_threads(),
+        )
+        if rc == -2:
+            raise ValueError("kivi_decode_attention: the kernel refused the layout")
+        if rc != 0:
+            raise MemoryError("kivi_decode_attention: scratch allocation failed")
         return res
 
     def paged_decode_store_attention(

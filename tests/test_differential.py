@@ -84,11 +84,12 @@ MODES: dict[str, dict[str, Any]] = {
     "q4_1_f16kv": {"cpu_linear": "q4_1", "kv_cache_dtype": "float16"},
     # A Q8_0 file's default linears, with a float32 cache.
     "q8_0": {"cpu_linear": "q8_0", "kv_cache_dtype": "float32"},
-    # KIVI KV formats (issue 16): 4-/2-bit blocks, groups of 4 tokens in 8-token
-    # blocks, so groups complete, blocks fill and residual groups stay partial
-    # at the cases' lengths. Exact linears: only the KV format differs from exact.
-    "kivi4": {**EXACT, "kv_cache_dtype": "kivi4", "block_size": 8, "kivi_group_size": 4},
-    "kivi2": {**EXACT, "kv_cache_dtype": "kivi2", "block_size": 8, "kivi_group_size": 4},
+    # KIVI KV formats (issue 16): 4-/2-bit blocks in groups of 4 tokens (the
+    # models' block size, so the preemption axes still preempt; blocks of several
+    # groups are covered by tests/test_kivi.py). Exact linears: only the KV
+    # format differs from exact.
+    "kivi4": {**EXACT, "kv_cache_dtype": "kivi4", "kivi_group_size": 4},
+    "kivi2": {**EXACT, "kv_cache_dtype": "kivi2", "kivi_group_size": 4},
 }
 # Modes compared within ROUNDED_LOGPROB_ATOL (tests/differential.py says why).
 # KIVI rounds keys/values to 4 or 2 bits: a last-bit difference of a batched

@@ -4,7 +4,10 @@ Decode tokens (one per sequence) go to ``kernels.cpu_native``'s paged decode
 attention, which reads keys and values in place through the block tables
 instead of gathering each sequence's context per layer. Prefill/extend chunks
 keep the torch path (SDPA's blocked kernel is the right tool for many query
-rows), as do bf16 caches (the kernels read fp32 and fp16 caches).
+rows), as do bf16 caches (the kernels read fp32 and fp16 caches). KIVI caches
+(``meta.kv_layout``): decodes read the quantized blocks in place
+(``CpuKernels.kivi_decode_attention``); the store and extend chunks are the
+torch backend's.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import StepPlan, TorchAttentionBackend
 from kernels.cpu_native import CpuKernels
+from kernels.kivi import KiviLayout
 
 # Caches the native kernels read (a float16 cache is converted as read: half
 # the bytes per decode step, which is what bounds long-context decode here).
@@ -91,6 +95,32 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             v_cache,
             meta.block_tables[:nd],
             meta.seq_lens[:nd],
+            scale,
+            check_lengths=first,
+        )
+
+    def _kivi_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        lay: KiviLayout,
+        plan: StepPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        if q.dtype != torch.float32 or q.device.type != "cpu":
+            return super()._kivi_decode(q, k_cache, v_cache, meta, lay, plan, scale)
+        nd = q.shape[0]
+        first = not plan.lengths_checked
+        plan.lengths_checked = True
+        return self.kernels.kivi_decode_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            meta.block_tables[:nd],
+            meta.seq_lens[:nd],
+            lay,
             scale,
             check_lengths=first,
         )

@@ -1,0 +1,296 @@
+/*
+ * Paged decode attention over KIVI 2-/4-bit KV blocks, fp32 queries.
+ *
+ * The block layout, the read rule and the torch reference are in
+ * kernels/kivi.py (kivi_attention_ref); the Python signature is
+ * CpuKernels.kivi_decode_attention in kernels/cpu_native.py. Blocks are read in
+ * place through the block tables and dequantized in registers: nothing of the
+ * cache is copied out.
+ *
+ * A sequence of n tokens (its query at position n - 1) reads tokens
+ * [0, gs) from codes, gs = G * ((n - 1) / G), and [gs, n) from the float16
+ * residual rows of its last block (row t - gs). Keys are quantized per channel
+ * over a group, so for a group the score is
+ *     q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c z_c,
+ * with q * s and q . z computed once per group and query head; values are
+ * quantized per token over channel groups, dequantized one row at a time (all
+ * query heads of a kv head share it).
+ *
+ * Layouts (C-contiguous): q, out [nd, hq, d] fp32; k_cache, v_cache uint8
+ * [num_blocks, side] (row = one block: codes at 0, scale at scale_off, zero at
+ * zero_off, residual at resid_off, as in kernels/kivi.py); block_tables int32
+ * [nd, bt_stride]; seq_lens int32 [nd], each >= 1.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fuel_half.h"
+#include "fuel_internal.h"
+#include "fuel_vec.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    const uint8_t *k, *v;
+    int64_t hkv, d, bs, group, vgroup, bits, side, scale_off, zero_off, resid_off;
+} kivi_cache;
+
+/* d codes of one packed row (channel c at bits (c % per) * bits of byte c / per) as floats. */
+static inline void unpack_row(const uint8_t *p, int64_t d, int64_t bits, float *out)
+{
+    int64_t c = 0;
+#if defined(__AVX2__)
+    if (bits == 4) {
+        const __m128i lo_mask = _mm_set1_epi8(0x0f);
+        for (; c + 16 <= d; c += 16) {
+            const __m128i b = _mm_loadl_epi64((const __m128i *)(p + c / 2));
+            const __m128i lo = _mm_and_si128(b, lo_mask);
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo_mask);
+            const __m128i x = _mm_unpacklo_epi8(lo, hi); /* channels c .. c + 15 */
+            _mm256_storeu_ps(out + c, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)));
+            _mm256_storeu_ps(out + c + 8,
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(x, 8))));
+        }
+    } else {
+        const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+        const __m256i three = _mm256_set1_epi32(3);
+        for (; c + 8 <= d; c += 8) {
+            /* bytes b0 b0 b0 b0 b1 b1 b1 b1, each shifted by 0, 2, 4, 6 */
+            const int32_t w = (int32_t)p[c / 4] | ((int32_t)p[c / 4 + 1] << 8);
+            const __m128i b = _mm_shuffle_epi8(_mm_cvtsi32_si128(w),
+                                               _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, -1, -1, -1,
+                                                             -1, -1, -1, -1, -1));
+            const __m256i x = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(b), shifts),
+                                               three);
+            _mm256_storeu_ps(out + c, _mm256_cvtepi32_ps(x));
+        }
+    }
+#endif
+    const int per = (int)(8 / bits), mask = (1 << bits) - 1;
+    for (; c < d; ++c) out[c] = (float)((p[c / per] >> ((c % per) * bits)) & mask);
+}
+
+static inline void half_row(const uint16_t *h, int64_t n, float *out)
+{
+    int64_t c = 0;
+#ifdef FUEL_F16C
+    for (; c + 8 <= n; c += 8)
+        _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + c))));
+#endif
+    for (; c < n; ++c) out[c] = h2f(h[c]);
+}
+
+static inline float dotf(const float *a, const float *b, int64_t d)
+{
+    v8f acc = {0};
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) acc += load8(a + c) * load8(b + c);
+    float s = hsum8(acc);
+    for (; c < d; ++c) s += a[c] * b[c];
+    return s;
+}
+
+static inline void axpyf(float *o, float p, const float *v, int64_t d)
+{
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) {
+        const v8f r = load8(o + c) + p * load8(v + c);
+        memcpy(o + c, &r, sizeof r);
+    }
+    for (; c < d; ++c) o[c] += p * v[c];
+}
+
+/* Scratch of one thread: scores [hq * n], and rows of d floats. */
+typedef struct {
+    float *scores;
+    int64_t cap;
+    float *qs, *qz, *row, *vrow;
+} kivi_scratch;
+
+static int scratch_fit(kivi_scratch *s, int64_t n)
+{
+    if (n <= s->cap) return 0;
+    free(s->scores);
+    s->scores = (float *)malloc(sizeof(float) * (size_t)n);
+    s->cap = s->scores ? n : 0;
+    return s->scores ? 0 : -1;
+}
+
+/* Keys [t0, t1) of one sequence (n tokens, block-table row bt), all heads:
+ * unnormalised output, max and sum per query head (like fuel_decode_range). */
+static int kivi_range(const kivi_cache *kc, const float *q, const int32_t *bt, int64_t n,
+                      int64_t t0, int64_t t1, int64_t hq, float scale, float *out, float *mx,
+                      float *sum, kivi_scratch *s)
+{
+    const int64_t hkv = kc->hkv, d = kc->d, bs = kc->bs, G = kc->group, g = hq / hkv;
+    const int64_t dp = d * kc->bits / 8, len = t1 - t0;
+    const int64_t gs = G * ((n - 1) / G); /* first float16 position */
+    const int64_t last_blk = bt[(n - 1) / bs];
+    if (scratch_fit(s, hq * len) != 0) return -1;
+    float *sc = s->scores;
+    for (int64_t j = 0; j < hq; ++j) mx[j] = -INFINITY;
+    /* Pass 1: scores. */
+    for (int64_t t = t0; t < t1;) {
+        const int64_t blk = bt[t / bs];
+        const uint8_t *kb = kc->k + blk * kc->side;
+        if (t < gs) { /* a quantized group: [t, end) */
+            const int64_t gi = (t % bs) / G, end = (t / G + 1) * G < t1 ? (t / G + 1) * G : t1;
+            for (int64_t h = 0; h < hkv; ++h) {
+                const uint16_t *sp = (const uint16_t *)(kb + kc->scale_off) + (gi * hkv + h) * d;
+                const uint16_t *zp = (const uint16_t *)(kb + kc->zero_off) + (gi * hkv + h) * d;
+                half_row(sp, d, s->row);
+                half_row(zp, d, s->vrow);
+                for (int64_t jj = 0; jj < g; ++jj) {
+                    const int64_t j = h * g + jj;
+                    const float *qj = q + j * d;
+                    for (int64_t c = 0; c < d; ++c) s->qs[jj * d + c] = qj[c] * s->row[c];
+                    s->qz[jj] = dotf(qj, s->vrow, d);
+                }
+                for (int64_t u = t; u < end; ++u) {
+                    unpack_row(kb + ((u % bs) * hkv + h) * dp, d, kc->bits, s->row);
+                    for (int64_t jj = 0; jj < g; ++jj) {
+                        const int64_t j = h * g + jj;
+                        const float v = (dotf(s->qs + jj * d, s->row, d) + s->qz[jj]) * scale;
+                        sc[j * len + u - t0] = v;
+                        if (v > mx[j]) mx[j] = v;
+                    }
+                }
+            }
+            t = end;
+        } else { /* float16 residual rows of the last block */
+            const uint16_t *rp = (const uint16_t *)(kc->k + last_blk * kc->side + kc->resid_off);
+            for (int64_t h = 0; h < hkv; ++h) {
+                half_row(rp + ((t - gs) * hkv + h) * d, d, s->row);
+                for (int64_t jj = 0; jj < g; ++jj) {
+                    const int64_t j = h * g + jj;
+                    const float v = dotf(q + j * d, s->row, d) * scale;
+                    sc[j * len + t - t0] = v;
+                    if (v > mx[j]) mx[j] = v;
+                }
+            }
+            ++t;
+        }
+    }
+    /* Softmax, unnormalised. */
+    for (int64_t j = 0; j < hq; ++j) {
+        float *sj = sc + j * len, total = 0.0f;
+        int64_t t = 0;
+        v8f acc = {0};
+        for (; t + 8 <= len; t += 8) {
+            const v8f e = exp8(load8(sj + t) - mx[j]);
+            memcpy(sj + t, &e, sizeof e);
+            acc += e;
+        }
+        total = hsum8(acc);
+        for (; t < len; ++t) {
+            sj[t] = expf(sj[t] - mx[j]);
+            total += sj[t];
+        }
+        sum[j] = total;
+    }
+    /* Pass 2: values, one dequantized row per (token, kv head). */
+    memset(out, 0, sizeof(float) * (size_t)(hq * d));
+    const int64_t vg = kc->vgroup, ng = d / vg;
+    for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t h = 0; h < hkv; ++h) {
+            if (t < gs) {
+                const uint8_t *vb = kc->v + bt[t / bs] * kc->side;
+                const int64_t at = ((t % bs) * hkv + h);
+                const uint16_t *sp = (const uint16_t *)(vb + kc->scale_off) + at * ng;
+                const uint16_t *zp = (const uint16_t *)(vb + kc->zero_off) + at * ng;
+                unpack_row(vb + at * dp, d, kc->bits, s->vrow);
+                for (int64_t k = 0; k < ng; ++k) {
+                    const float sk = h2f(sp[k]), zk = h2f(zp[k]);
+                    float *r = s->vrow + k * vg;
+                    for (int64_t c = 0; c < vg; ++c) r[c] = r[c] * sk + zk;
+                }
+            } else {
+                const uint16_t *rp =
+                    (const uint16_t *)(kc->v + last_blk * kc->side + kc->resid_off);
+                half_row(rp + ((t - gs) * hkv + h) * d, d, s->vrow);
+            }
+            for (int64_t jj = 0; jj < g; ++jj) {
+                const int64_t j = h * g + jj;
+                axpyf(out + j * d, sc[j * len + t - t0], s->vrow, d);
+            }
+        }
+    }
+    return 0;
+}
+
+/* Returns 0, -1 on a failed allocation, -2 on a bad argument. */
+int fuel_kivi_decode_attention_f32(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
+                                   const int32_t *block_tables, int64_t bt_stride,
+                                   const int32_t *seq_lens, float *out, int64_t nd, int64_t hq,
+                                   int64_t hkv, int64_t d, int64_t bs, int64_t group,
+                                   int64_t vgroup, int64_t bits, int64_t side, int64_t scale_off,
+                                   int64_t zero_off, int64_t resid_off, float scale,
+                                   int num_threads)
+{
+    if ((bits != 2 && bits != 4) || hkv < 1 || hq % hkv || bs % group || d % vgroup ||
+        d % (8 / bits))
+        return -2;
+    const kivi_cache kc = {k_cache, v_cache, hkv, d, bs, group, vgroup, bits, side,
+                           scale_off, zero_off, resid_off};
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < nd; ++i) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    /* Split-K as in cpu_attention.c: few long sequences use every thread. */
+    const int64_t parts = nd < num_threads && max_len >= FUEL_SPLIT_MIN_TOKENS ? num_threads : 1;
+    const int64_t items = nd * parts;
+    const int nt = items < num_threads ? (int)items : num_threads;
+    float *part_out = malloc(sizeof(float) * (size_t)(items * hq * d));
+    float *part_mx = malloc(sizeof(float) * (size_t)(items * hq));
+    float *part_sum = malloc(sizeof(float) * (size_t)(items * hq));
+    int failed = !part_out || !part_mx || !part_sum;
+    const int64_t g = hq / hkv;
+
+#pragma omp parallel num_threads(nt) if (nt > 1 && !failed)
+    {
+        kivi_scratch s = {NULL, 0, malloc(sizeof(float) * (size_t)(g * d)),
+                          malloc(sizeof(float) * (size_t)g), malloc(sizeof(float) * (size_t)d),
+                          malloc(sizeof(float) * (size_t)d)};
+        const int ok = s.qs && s.qz && s.row && s.vrow;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; ++it) {
+            if (failed || !ok) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            const int64_t i = it / parts, p = it % parts, n = seq_lens[i];
+            const int64_t t0 = n * p / parts, t1 = n * (p + 1) / parts;
+            float *po = part_out + it * hq * d, *pm = part_mx + it * hq, *ps = part_sum + it * hq;
+            if (t0 == t1) {
+                for (int64_t j = 0; j < hq; ++j) {
+                    pm[j] = -INFINITY;
+                    ps[j] = 0.0f;
+                }
+                memset(po, 0, sizeof(float) * (size_t)(hq * d));
+                continue;
+            }
+            if (kivi_range(&kc, q + i * hq * d, block_tables + i * bt_stride, n, t0, t1, hq,
+                           scale, po, pm, ps, &s) != 0) {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
+        free(s.scores);
+        free(s.qs);
+        free(s.qz);
+        free(s.row);
+        free(s.vrow);
+    }
+    if (!failed) {
+        for (int64_t i = 0; i < nd; ++i)
+            fuel_merge_parts(part_out + i * parts * hq * d, part_mx + i * parts * hq,
+                             part_sum + i * parts * hq, parts, hq, d, out + i * hq * d);
+    }
+    free(part_out);
+    free(part_mx);
+    free(part_sum);
+    return failed ? -1 : 0;
+}
