@@ -117,6 +117,7 @@ class AsyncEngine:
         self.max_model_len = self.engine.info.max_model_len
         # The execution path chosen at start-up (served in /v1/models as "fuel").
         self.execution_info = self.engine.info.execution()
+        self.cache_config = self.engine.info.cache_config()
         self.log_prompts = config.log_prompts
         self.traces_enabled = config.enable_request_traces
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()

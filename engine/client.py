@@ -140,6 +140,12 @@ class EngineClient(Protocol):
         decode_step), fixed at start-up; served in ``/v1/models`` as ``fuel``."""
         ...
 
+    @property
+    def cache_config(self) -> Mapping[str, str]:
+        """The KV cache's configuration as ``vllm:cache_config_info`` labels
+        (block_size, cache_dtype, num_gpu_blocks, kv_tokens, ...), fixed at start-up."""
+        ...
+
     def describe(self) -> str:
         """One line for the start-up log: model, dtype, device, KV cache size."""
         ...

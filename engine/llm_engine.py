@@ -26,8 +26,8 @@ from engine.errors import InvalidRequestError
 from engine.kv.block_pool import KVBlock
 from engine.kv.builder import build_hierarchy
 from engine.kv.format import KVFormat, PlainKVFormat
-from engine.kv.kivi_format import KiviKVFormat
 from engine.kv.hierarchy import KVHierarchy
+from engine.kv.kivi_format import KiviKVFormat
 from engine.kv.manager import KVCacheManager
 from engine.kv.transfer import KVTransferExecutor
 from engine.models.linear import LinearStrategy, make_linear_strategy

@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 from kernels.kivi import KiviLayout
-
 from kernels.quant_linear import Q4_1, QuantWeight
 
 logger = logging.getLogger(__name__)

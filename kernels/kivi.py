@@ -148,12 +148,13 @@ def side_views(cache: torch.Tensor, lay: KiviLayout, keys: bool) -> KiviSide:
     h, d, bs, g = lay.num_kv_heads, lay.head_dim, lay.block_size, lay.group_size
     pshape = (bs // g, h, d) if keys else (bs, h, d // lay.value_group)
     pn = lay.key_param_elems if keys else lay.value_param_elems
+    nb = int(cache.shape[0])
 
     def half(off: int, n: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return cache[:, off : off + 2 * n].view(torch.float16).unflatten(1, shape)
+        return cache[:, off : off + 2 * n].view(torch.float16).view(nb, *shape)
 
     return KiviSide(
-        codes=cache[:, : lay.codes_nbytes].unflatten(1, (bs, h, lay.packed_dim)),
+        codes=cache[:, : lay.codes_nbytes].view(nb, bs, h, lay.packed_dim),
         scale=half(lay.scale_offset, pn, pshape),
         zero=half(lay.zero_offset, pn, pshape),
         resid=half(lay.resid_offset, lay.resid_elems, (g, h, d)),
@@ -182,7 +183,7 @@ def _minmax_quant(
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes ``[..., D]`` -> ``[..., D * bits / 8]`` (channel ``c`` at bits ``(c % per) * bits``)."""
     per = 8 // bits
-    c = codes.unflatten(-1, (-1, per)).to(torch.int32)
+    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.int32)
     shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
     return (c << shifts).sum(-1).to(torch.uint8)
 
@@ -208,7 +209,7 @@ def quantize_value_groups(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Value tokens float16 ``[..., H, D]`` -> packed codes ``[..., H, Dp]``, scale
     and zero ``[..., H, D / Gv]`` (per token, per group of channels)."""
-    grouped = x.unflatten(-1, (-1, lay.value_group))
+    grouped = x.reshape(*x.shape[:-1], x.shape[-1] // lay.value_group, lay.value_group)
     codes, scale, zero = _minmax_quant(grouped, -1, lay.levels)
     return pack_codes(codes.flatten(-2), lay.bits), scale, zero
 
@@ -401,12 +402,14 @@ def kivi_attention_dense_ref(
     g = lay.group_size
     seq_len = int(k_fp16.shape[0])
     full = (seq_len // g) * g
-    kq = k_fp16[:full].unflatten(0, (-1, g))
+    kq = k_fp16[:full].reshape(full // g, g, *k_fp16.shape[1:])
     codes, s, z = quantize_key_groups(kq, lay)
     dk = unpack_codes(codes, lay.bits).float() * s.float()[:, None] + z.float()[:, None]
     vcodes, vs_, vz = quantize_value_groups(v_fp16[:full], lay)
     dv = (
-        unpack_codes(vcodes, lay.bits).float().unflatten(-1, (-1, lay.value_group))
+        unpack_codes(vcodes, lay.bits)
+        .float()
+        .reshape(*vcodes.shape[:-1], lay.head_dim // lay.value_group, lay.value_group)
         * vs_.float()[..., None]
         + vz.float()[..., None]
     ).flatten(-2)

@@ -67,6 +67,7 @@ def build_app(
                 built = await asyncio.to_thread(engine_factory)
             await built.start()
             state.metrics = Metrics(state.served_names(built)[0])
+            state.metrics.set_cache_config(built.cache_config)
             logger.info("engine ready: %s", built.describe())
             state.engine = built
         except Exception as exc:

@@ -16,7 +16,7 @@ state), so several instances (tests, several models) never collide.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import pairwise
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -96,6 +96,7 @@ class Metrics:
         # Over 80 lines on purpose: one declaration per exported series, in one
         # place, so the list reads against vLLM's (names, types, buckets).
         self.model_name = model_name
+        self._engine_label = engine
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
         values = (model_name, engine)
@@ -301,6 +302,19 @@ class Metrics:
         self._last = EngineStats()
 
     # ------------------------------------------------------------------
+    def set_cache_config(self, info: Mapping[str, str]) -> None:
+        """vLLM's ``vllm:cache_config_info``: a gauge at 1 whose labels are the KV
+        cache's configuration (block_size, cache_dtype, num_gpu_blocks, ...), set
+        once when the engine is ready (``EngineClient.cache_config``)."""
+        names = sorted(info)
+        g = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["model_name", "engine", *names],
+            registry=self.registry,
+        )
+        g.labels(self.model_name, self._engine_label, *(info[n] for n in names)).set(1)
+
     def update_from_stats(self, stats: EngineStats) -> None:
         """Set gauges from ``stats`` and advance counters by the delta since the last call.
 

@@ -34,9 +34,7 @@ class KiviSim:
     v_cache: torch.Tensor = field(init=False)
 
     @classmethod
-    def make(
-        cls, lay: KiviLayout, num_heads: int, lengths: list[int], seed: int = 0
-    ) -> KiviSim:
+    def make(cls, lay: KiviLayout, num_heads: int, lengths: list[int], seed: int = 0) -> KiviSim:
         gen = torch.Generator().manual_seed(seed)
         sim = cls(lay, num_heads)
         bs = lay.block_size

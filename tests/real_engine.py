@@ -92,6 +92,10 @@ class SharedEngine:
     def execution_info(self) -> Mapping[str, str]:
         return self.inner.execution_info
 
+    @property
+    def cache_config(self) -> Mapping[str, str]:
+        return self.inner.cache_config
+
     def describe(self) -> str:
         return self.inner.describe()
 

@@ -99,6 +99,13 @@ class FakeEngine:
     execution_info: dict[str, str] = field(
         default_factory=lambda: {"cpu_linear": "q4_1", "kv_cache_dtype": "float16"}
     )
+    cache_config: dict[str, str] = field(
+        default_factory=lambda: {
+            "block_size": "16",
+            "cache_dtype": "float16",
+            "num_gpu_blocks": "64",
+        }
+    )
 
     async def start(self) -> None:
         self.started = True

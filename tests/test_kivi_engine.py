@@ -1,0 +1,126 @@
+"""KIVI in the engine: start-up errors, capacity, the metrics gauge, block copies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.kv.format import PlainKVFormat
+from engine.kv.kivi_format import KiviKVFormat
+from engine.llm_engine import LLMEngine
+from server.metrics import Metrics
+from tests.conftest import default_gguf_path
+from tests.model_utils import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("kivi"), "llama", vocab_size=49152)
+
+
+def _engine(tiny: Path, **kw: Any) -> LLMEngine:
+    base: dict[str, Any] = dict(
+        model=str(tiny),
+        tokenizer=str(default_gguf_path()),
+        kv_cache_memory=4 << 20,
+        cpu_linear="onednn",
+    )
+    return LLMEngine(EngineConfig(**{**base, **kw}))
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"kv_cache_dtype": "kivi4"}, "--block-size a multiple of --kivi-group-size 32"),
+        ({"kv_cache_dtype": "kivi2", "block_size": 64, "kivi_residual_length": 48}, "multiple"),
+        (
+            {"kv_cache_dtype": "kivi4", "block_size": 64, "kivi_residual_length": 64},
+            "only one group",
+        ),
+        ({"kv_low_rank_keys": 8}, "--kv-low-rank-keys is not built"),
+    ],
+)
+def test_config_refuses_bad_kivi_settings(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+
+
+def test_engine_refuses_kivi_it_cannot_run(tiny: Path) -> None:
+    # Value groups of 12 channels do not divide the tiny model's head size (16).
+    with pytest.raises(ValueError, match=r"kivi4.*head size 16"):
+        _engine(tiny, kv_cache_dtype="kivi4", block_size=24, kivi_group_size=12)
+    with pytest.raises(ValueError, match="Triton attention backend has no KIVI"):
+        _engine(
+            tiny,
+            kv_cache_dtype="kivi2",
+            block_size=8,
+            kivi_group_size=4,
+            attention_backend="triton",
+        )
+
+
+# The default model's KV shapes (SmolLM2-135M: 30 layers, 3 kv heads, head size 64).
+SMOL = dict(num_layers=30, num_kv_heads=3, head_dim=64)
+
+
+@pytest.mark.parametrize(("bits", "ratio"), [(4, 4.0), (2, 6.0)])
+def test_capacity_ratio_against_float32(bits: int, ratio: float) -> None:
+    """At block size 256 and groups of 32, the issue's capacity targets hold."""
+    f32 = PlainKVFormat(block_size=256, dtype=torch.float32, **SMOL)  # type: ignore[arg-type]
+    kivi = KiviKVFormat(block_size=256, bits=bits, group_size=32, **SMOL)  # type: ignore[arg-type]
+    got = f32.block_nbytes / kivi.block_nbytes
+    assert got >= ratio, got
+    # Bytes per token: codes (bits/8 per element, K and V), float16 scale and zero
+    # (per 32 tokens for K, per 32 channels for V), and the float16 residual group.
+    elems = SMOL["num_layers"] * SMOL["num_kv_heads"] * SMOL["head_dim"]
+    want = elems * (2 * bits / 8 + 2 * 4 / 32 + 2 * 2 * 32 / 256)
+    assert kivi.bytes_per_token == pytest.approx(want, rel=1e-3)
+
+
+def test_engine_reports_capacity_and_cache_config(tiny: Path) -> None:
+    mem = 4 << 20
+    plain = _engine(tiny, kv_cache_dtype="float32", block_size=64, kv_cache_memory=mem)
+    kivi = _engine(
+        tiny, kv_cache_dtype="kivi2", block_size=64, kivi_group_size=16, kv_cache_memory=mem
+    )
+    fmt = kivi.runner.kv_format
+    assert isinstance(fmt, KiviKVFormat)
+    assert kivi.info.num_blocks == mem // fmt.block_nbytes
+    ratio = kivi.info.num_blocks / plain.info.num_blocks
+    assert ratio == pytest.approx(plain.runner.kv_format.block_nbytes / fmt.block_nbytes, rel=0.05)
+    assert ratio > 3.0  # head size 16: value scales per 16 channels cost more than at 64
+    assert f"kv_tokens={kivi.info.num_blocks * 64}" in kivi.describe()
+    info = kivi.info.cache_config()
+    assert info["cache_dtype"] == "kivi2" and info["num_gpu_blocks"] == str(kivi.info.num_blocks)
+    assert kivi.info.execution()["kv_cache_dtype"] == "kivi2"
+    m = Metrics("tiny")
+    m.set_cache_config(info)
+    text = m.render()[0].decode()
+    line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
+    assert f'num_gpu_blocks="{kivi.info.num_blocks}"' in line and 'block_size="64"' in line
+    assert line.endswith(" 1.0")
+
+
+def test_kivi_block_bytes_round_trip(tiny: Path) -> None:
+    """read_blocks/write_blocks move KIVI blocks bit for bit (what the host and
+    disk tiers and swap rely on), between two engines' caches too."""
+    fmt = KiviKVFormat(3, 16, 2, 16, bits=4, group_size=8)
+    a, b = fmt.allocate(6, torch.device("cpu")), fmt.allocate(6, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for kc, vc in a:
+        kc.copy_(torch.randint(0, 256, kc.shape, generator=gen, dtype=torch.uint8))
+        vc.copy_(torch.randint(0, 256, vc.shape, generator=gen, dtype=torch.uint8))
+    ids = torch.tensor([4, 1, 2])
+    data = fmt.read_blocks(a, ids)
+    assert data.shape == (3, fmt.block_nbytes)
+    fmt.write_blocks(b, torch.tensor([0, 5, 3]), data)
+    for (ka, va), (kb, vb) in zip(a, b):
+        assert torch.equal(ka[ids], kb[torch.tensor([0, 5, 3])])
+        assert torch.equal(va[ids], vb[torch.tensor([0, 5, 3])])
+    assert fmt.describe() != KiviKVFormat(3, 16, 2, 16, bits=2, group_size=8).describe()
+    with pytest.raises(ValueError, match="re-rotated"):
+        fmt.rerotate_keys(a, ids, torch.zeros(3, 16), torch.zeros(3, 16), torch.zeros(4, 16))
