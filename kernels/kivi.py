@@ -290,15 +290,15 @@ class KiviStorePlan:
 def kivi_store(
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    ks: KiviSide,
+    vs: KiviSide,
     plan: KiviStorePlan,
     lay: KiviLayout,
 ) -> None:
-    """Store a step's new keys/values ``[T, H, D]`` into KIVI caches (see module doc):
-    complete groups are quantized (from this step's rows and the block's residual
-    rows of earlier steps), then the residual rows are written."""
-    ks, vs = side_views(k_cache, lay, True), side_views(v_cache, lay, False)
+    """Store a step's new keys/values ``[T, H, D]`` into KIVI caches (views
+    ``ks``/``vs``, see module doc): complete groups are quantized (from this
+    step's rows and the block's residual rows of earlier steps), then the
+    residual rows are written."""
     k16, v16 = k.to(torch.float16), v.to(torch.float16)
     g = lay.group_size
     ng = int(plan.group_block.shape[0])
@@ -331,8 +331,8 @@ def kivi_attention_ref(
     q: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    ks: KiviSide,
+    vs: KiviSide,
     blocks: torch.Tensor,
     seq_len: int,
     k_tail_old: torch.Tensor,
@@ -344,7 +344,7 @@ def kivi_attention_ref(
 
     ``q`` ``[n, Hq, D]``, ``k_new``/``v_new`` ``[n, H, D]`` are the tokens at
     positions ``seq_len - n .. seq_len - 1``, already stored (the complete
-    groups' codes are read from the cache). ``blocks``: the sequence's block
+    groups' codes are read from the cache views ``ks``/``vs``). ``blocks``: the sequence's block
     ids (int64). ``k_tail_old``/``v_tail_old`` ``[G, H, D]`` float16: the residual
     rows of the block holding position ``ctx = seq_len - n`` *as they were
     before the store* (only rows ``< ctx % G`` are read). Returns ``[n, Hq, D]``
@@ -360,8 +360,8 @@ def kivi_attention_ref(
     fp_v = torch.cat([v_tail_old[: ctx - t0].float(), v_new.to(torch.float16).float()])
     if nq:
         nblk = -(-nq // bs)
-        dq_k = dequantize_blocks(side_views(k_cache, lay, True), blocks[:nblk], lay, True)[:nq]
-        dq_v = dequantize_blocks(side_views(v_cache, lay, False), blocks[:nblk], lay, False)[:nq]
+        dq_k = dequantize_blocks(ks, blocks[:nblk], lay, True)[:nq]
+        dq_v = dequantize_blocks(vs, blocks[:nblk], lay, False)[:nq]
         kk, vv = torch.cat([dq_k, fp_k]), torch.cat([dq_v, fp_v])
     else:
         kk, vv = fp_k, fp_v

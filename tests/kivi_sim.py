@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.base import AttentionMetadata
-from kernels.kivi import KiviLayout, KiviStorePlan, kivi_store
+from kernels.kivi import KiviLayout, KiviStorePlan, kivi_store, side_views
 
 
 @dataclass
@@ -103,4 +103,5 @@ class KiviSim:
 
     def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         plan = KiviStorePlan.build(meta.slot_mapping, self.lay)
-        kivi_store(k, v, self.k_cache, self.v_cache, plan, self.lay)
+        ks, vs = side_views(self.k_cache, self.lay, True), side_views(self.v_cache, self.lay, False)
+        kivi_store(k, v, ks, vs, plan, self.lay)

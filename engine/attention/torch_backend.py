@@ -19,7 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from kernels.kivi import KiviLayout, KiviStorePlan, kivi_attention_ref, kivi_store, side_views
+from kernels.kivi import (
+    KiviLayout,
+    KiviSide,
+    KiviStorePlan,
+    kivi_attention_ref,
+    kivi_store,
+    side_views,
+)
 
 
 def store_kv(
@@ -91,6 +98,20 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._plan: StepPlan | None = None
+        # KIVI cache views per cache tensor (by identity; the tensor is kept so
+        # its id is not reused): building them costs more than a decode's store.
+        self._kivi_views: dict[int, tuple[torch.Tensor, KiviSide]] = {}
+
+    def kivi_views(self, cache: torch.Tensor, lay: KiviLayout, keys: bool) -> KiviSide:
+        """``side_views(cache)``, memoised for the caches this backend serves."""
+        hit = self._kivi_views.get(id(cache))
+        if hit is not None and hit[0] is cache:
+            return hit[1]
+        if len(self._kivi_views) > 1024:  # caches replaced (a profiling runner): forget
+            self._kivi_views.clear()
+        side = side_views(cache, lay, keys)
+        self._kivi_views[id(cache)] = (cache, side)
+        return side
 
     def _step_plan(self, meta: AttentionMetadata, block_size: int) -> StepPlan:
         plan = self._plan
@@ -166,9 +187,10 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         # Residual rows of each extend sequence's first block, before the store.
         tails = plan.tail_blocks[nd:]
-        k_tail = side_views(k_cache, lay, True).resid.index_select(0, tails)
-        v_tail = side_views(v_cache, lay, False).resid.index_select(0, tails)
-        kivi_store(k, v, k_cache, v_cache, plan.kivi, lay)
+        ks, vs = self.kivi_views(k_cache, lay, True), self.kivi_views(v_cache, lay, False)
+        k_tail = ks.resid.index_select(0, tails) if meta.num_seqs > nd else ks.resid[:0]
+        v_tail = vs.resid.index_select(0, tails) if meta.num_seqs > nd else vs.resid[:0]
+        kivi_store(k, v, ks, vs, plan.kivi, lay)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._kivi_decode(q[:nd], k_cache, v_cache, meta, lay, plan, scale)
@@ -180,8 +202,8 @@ class TorchAttentionBackend(AttentionBackend):
                 q[s:e],
                 k[s:e],
                 v[s:e],
-                k_cache,
-                v_cache,
+                ks,
+                vs,
                 meta.block_tables[i, : -(-seq_len // lay.block_size)].long(),
                 seq_len,
                 k_tail[i - nd],
@@ -206,7 +228,7 @@ class TorchAttentionBackend(AttentionBackend):
         the stored rows serve as the pre-store tail; its own k/v are read back
         from the residual (row ``ctx % G``), exactly as stored."""
         assert plan.tail_blocks is not None
-        ks, vs = side_views(k_cache, lay, True), side_views(v_cache, lay, False)
+        ks, vs = self.kivi_views(k_cache, lay, True), self.kivi_views(v_cache, lay, False)
         out = torch.empty_like(q)
         g = lay.group_size
         for i in range(q.shape[0]):
@@ -217,8 +239,8 @@ class TorchAttentionBackend(AttentionBackend):
                 q[i : i + 1],
                 ks.resid[blk, row : row + 1],
                 vs.resid[blk, row : row + 1],
-                k_cache,
-                v_cache,
+                ks,
+                vs,
                 meta.block_tables[i, : -(-seq_len // lay.block_size)].long(),
                 seq_len,
                 ks.resid[blk],
