@@ -230,7 +230,7 @@ class LLMEngine:
             model.set_ops(NativeCpuModelOps(backend.kernels))
         self.model = model
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, device, dtype, backend)
-        kv_format = self._kv_format(kv_dtype, backend.name)
+        kv_format = self._kv_format(kv_dtype)
         num_blocks = self._num_blocks(device, kv_format.block_nbytes, dtype, max_len)
         hierarchy = self._build_kv(
             num_blocks, max_len, device, dtype, kv_format, path, backend.name
@@ -288,12 +288,12 @@ class LLMEngine:
             self.traces = TraceStore(config.max_traces)
             self.tracer = TraceRecorder(self.traces, log_prompts=config.log_prompts)
 
-    def _kv_format(self, kv_dtype: torch.dtype, backend_name: str) -> KVFormat:
-        """The KV block format of ``--kv-cache-dtype`` (plain, or KIVI).
+    def _kv_format(self, kv_dtype: torch.dtype) -> KVFormat:
+        """The KV block format of ``--kv-cache-dtype`` (plain, or KIVI; every
+        attention backend reads both).
 
         Raises:
-            ValueError: KIVI on a backend that cannot read it, or a head size
-                the KIVI layout does not divide.
+            ValueError: a head size the KIVI layout does not divide.
         """
         cfg = self.config
         mc = self.model_config
@@ -301,11 +301,6 @@ class LLMEngine:
         if not name.startswith("kivi"):
             return PlainKVFormat(
                 mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
-            )
-        if backend_name == "triton":
-            raise ValueError(
-                f"--kv-cache-dtype {name}: the Triton attention backend has no KIVI read path "
-                "yet; use --attention-backend torch (or the CPU)"
             )
         try:
             return KiviKVFormat(

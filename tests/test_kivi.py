@@ -3,8 +3,14 @@ attention path over quantized blocks against the from-scratch reference."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():  # the Triton test runs under the interpreter (see test_kernels)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from kernels.kivi import (
@@ -183,3 +189,24 @@ def test_native_decode_split_k_long_context(kernels: object) -> None:
     plan += [[(0, 60)]] + [[(0, 1), (1, 1)] for _ in range(3)]
     torch.set_num_threads(2)
     _run(CpuNativeAttentionBackend(kernels), sim, plan)  # type: ignore[arg-type]
+
+
+class _TritonAsBackend(TorchAttentionBackend):
+    """The Triton backend's KIVI path (store + kernel) behind the test driver."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        self.triton = TritonAttentionBackend()
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+        return self.triton.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_triton_kivi_matches_dense(bits: int) -> None:
+    """The Triton kernel (under TRITON_INTERPRET=1 on the CPU) on mixed steps, GQA."""
+    pytest.importorskip("triton")
+    sim = KiviSim.make(layout(bits), num_heads=4, lengths=[40, 40, 40, 40], seed=11 + bits)
+    _run(_TritonAsBackend(), sim, PLAN[:4])

@@ -53,14 +53,6 @@ def test_engine_refuses_kivi_it_cannot_run(tiny: Path) -> None:
     # Value groups of 12 channels do not divide the tiny model's head size (16).
     with pytest.raises(ValueError, match=r"kivi4.*head size 16"):
         _engine(tiny, kv_cache_dtype="kivi4", block_size=24, kivi_group_size=12)
-    with pytest.raises(ValueError, match="Triton attention backend has no KIVI"):
-        _engine(
-            tiny,
-            kv_cache_dtype="kivi2",
-            block_size=8,
-            kivi_group_size=4,
-            attention_backend="triton",
-        )
 
 
 # The default model's KV shapes (SmolLM2-135M: 30 layers, 3 kv heads, head size 64).

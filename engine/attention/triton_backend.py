@@ -12,6 +12,8 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from kernels.cache_write import store_kvcache
+from kernels.kivi import KiviLayout, KiviSide, KiviStorePlan, kivi_store, side_views
+from kernels.kivi_attention import kivi_paged_attention
 from kernels.paged_attention import paged_attention
 
 
@@ -20,6 +22,68 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     graph_safe = True
+
+    def __init__(self) -> None:
+        # KIVI (meta.kv_layout): the step's store plan and row -> sequence map,
+        # built on the first layer of a step (by metadata identity), and the
+        # caches' views. The KIVI path has host syncs (the store plan): the
+        # runner does not capture KIVI steps in CUDA graphs.
+        self._kivi_step: (
+            tuple[AttentionMetadata, KiviStorePlan, torch.Tensor, torch.Tensor] | None
+        ) = None
+        self._kivi_views: dict[int, tuple[torch.Tensor, KiviSide]] = {}
+
+    def _views(self, cache: torch.Tensor, lay: KiviLayout, keys: bool) -> KiviSide:
+        hit = self._kivi_views.get(id(cache))
+        if hit is not None and hit[0] is cache:
+            return hit[1]
+        if len(self._kivi_views) > 1024:
+            self._kivi_views.clear()
+        side = side_views(cache, lay, keys)
+        self._kivi_views[id(cache)] = (cache, side)
+        return side
+
+    def _kivi_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        lay: KiviLayout,
+        scale: float,
+    ) -> torch.Tensor:
+        step = self._kivi_step
+        if step is None or step[0] is not meta:
+            qlens = torch.tensor(meta.query_lens_cpu, device=q.device)
+            rows = torch.repeat_interleave(
+                torch.arange(meta.num_seqs, device=q.device, dtype=torch.int32), qlens
+            )
+            # The block holding each sequence's first new position.
+            ctx = meta.seq_lens.long() - qlens
+            tails = meta.block_tables.gather(1, (ctx // lay.block_size)[:, None]).squeeze(1)
+            step = (meta, KiviStorePlan.build(meta.slot_mapping, lay), rows, tails.long())
+            self._kivi_step = step
+        ks, vs = self._views(k_cache, lay, True), self._views(v_cache, lay, False)
+        k_tails = ks.resid.index_select(0, step[3])
+        v_tails = vs.resid.index_select(0, step[3])
+        kivi_store(k, v, ks, vs, step[1], lay)
+        return kivi_paged_attention(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            k_tails,
+            v_tails,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            step[2],
+            lay,
+            scale,
+        )
 
     def forward(
         self,
@@ -32,6 +96,8 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`."""
+        if meta.kv_layout is not None:
+            return self._kivi_forward(q, k, v, k_cache, v_cache, meta, meta.kv_layout, scale)
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(
             q,
