@@ -122,7 +122,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        n_full = req.num_computed_tokens // bs
+        # Capped by the known tokens: accepted drafts are computed before they join
+        # ``all_token_ids``; their blocks are hashed on the next call.
+        n_full = min(req.num_computed_tokens, req.num_tokens) // bs
         self._update_hashes(req, n_full * bs)
         for i in range(n_full):
             block = self.pool.blocks[req.block_ids[i]]
@@ -130,6 +132,16 @@ class KVCacheManager:
                 self.pool.cache(
                     block, req.block_hashes[i], req.all_token_ids[i * bs : (i + 1) * bs]
                 )
+
+    def free_uncomputed_blocks(self, req: Request) -> None:
+        """Give back the tail blocks past ``num_computed_tokens`` (rolled-back drafts).
+
+        They were allocated by ``req`` for this step's speculative slots, hold no
+        computed token and were never hashed, so they go straight back to the pool.
+        """
+        need = self.blocks_needed(req.num_computed_tokens)
+        while len(req.block_ids) > need:
+            self.pool.free(self.pool.blocks[req.block_ids.pop()])
 
     def free(self, req: Request) -> None:
         """Give back every block ``req`` holds (tail first, so prefixes stay cached longest)."""

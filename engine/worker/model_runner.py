@@ -9,7 +9,7 @@ or that need prompt logprobs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,20 +17,31 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.outputs import PositionLogprobs, TokenLogprob
-from engine.request import Request
-from engine.sampling.sampler import GrammarMaskFn, Sampler, SamplerOutput
+from engine.sampling.rejection import VerifyRequest, verify
+from engine.sampling.sampler import GrammarMaskFn, Sampler, SamplerOutput, SampleRow
 from engine.scheduler import ScheduledRequest
 from engine.worker.cuda_graphs import DecodeGraphs, GraphFactory
 
 # Builds the grammar mask for the rows about to be sampled (None: no constraint).
-GrammarMaskFactory = Callable[[Sequence[Request]], GrammarMaskFn | None]
+GrammarMaskFactory = Callable[[Sequence[SampleRow]], GrammarMaskFn | None]
+
+
+@dataclass
+class SampledTokens:
+    """What one request's chunk produced: ``num_accepted`` of its ``num_drafts``
+    drafts, then one sampled token (without drafts: just the sampled token)."""
+
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]
+    num_drafts: int = 0
+    num_accepted: int = 0
 
 
 @dataclass
 class StepResult:
     """Sampled tokens of the requests whose chunk reached their last token."""
 
-    sampled: dict[str, tuple[int, PositionLogprobs | None]] = field(default_factory=dict)
+    sampled: dict[str, SampledTokens] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
 
 
@@ -86,58 +97,22 @@ class ModelRunner:
         self, batch: Sequence[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten ``batch`` (already ordered decodes first) into model inputs."""
-        bs = self.block_size
-        ids: list[int] = []
-        seq_idx: list[int] = []
-        starts: list[int] = []
-        qlens: list[int] = []
-        seq_lens: list[int] = []
-        qsl = [0]
-        max_blocks = 1
-        for i, s in enumerate(batch):
-            toks = s.req.all_token_ids[s.start : s.start + s.num_new_tokens]
-            ids.extend(toks)
-            seq_idx.extend([i] * s.num_new_tokens)
-            starts.append(s.start)
-            qlens.append(s.num_new_tokens)
-            seq_lens.append(s.start + s.num_new_tokens)
-            qsl.append(qsl[-1] + s.num_new_tokens)
-            max_blocks = max(max_blocks, len(s.req.block_ids))
-        table = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
-        for i, s in enumerate(batch):
-            table[i, : len(s.req.block_ids)] = torch.tensor(s.req.block_ids, dtype=torch.int32)
-        seq_idx_t = torch.tensor(seq_idx, dtype=torch.long)
-        qsl_t = torch.tensor(qsl, dtype=torch.int32)
-        # position of each flattened token = its sequence's start + offset within the chunk
-        offs = torch.arange(len(ids), dtype=torch.long) - qsl_t[:-1].long()[seq_idx_t]
-        positions = torch.tensor(starts, dtype=torch.long)[seq_idx_t] + offs
-        slots = table[seq_idx_t, positions // bs].long() * bs + positions % bs
-        num_decodes = 0
-        while num_decodes < len(qlens) and qlens[num_decodes] == 1:
-            num_decodes += 1
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=qsl_t.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            slot_mapping=slots.to(dev, non_blocking=True),
-            max_query_len=max(qlens),
-            max_seq_len=max(seq_lens),
-            num_decodes=num_decodes,
-            query_lens_cpu=qlens,
-            seq_lens_cpu=seq_lens,
-            query_start_loc_cpu=qsl,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        return input_ids, positions.to(dev, non_blocking=True), meta
+        return build_inputs(batch, self.block_size, self.device)
 
     @torch.inference_mode()
     def execute(
         self,
         scheduled: Sequence[ScheduledRequest],
         grammar_mask_for: GrammarMaskFactory | None = None,
+        draft_probs: Mapping[str, torch.Tensor | None] | None = None,
     ) -> StepResult:
+        """Run the step; sample (or verify drafts) for every chunk that reaches its end.
+
+        ``draft_probs[request_id]``: the distribution each of the request's
+        drafts was drawn from (``[k, vocab]``), or None for deterministic drafts.
+        """
         # Decodes (query length 1) first: the attention contract groups them.
+        # Verification chunks (1 + k tokens) go with the prefill/extend chunks.
         batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(batch)
         hidden = None
@@ -148,25 +123,37 @@ class ModelRunner:
 
         result = StepResult()
         sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
+        items: list[VerifyRequest] = []
         for i, s in enumerate(batch):
             end = meta.query_start_loc_cpu[i + 1]
             if s.completes_sequence:
-                sample_rows.append(end - 1)
-                sample_reqs.append(s.req)
+                n_rows = 1 + s.num_draft_tokens
+                sample_rows.extend(range(end - n_rows, end))
+                probs = draft_probs.get(s.req.request_id) if draft_probs else None
+                items.append(VerifyRequest(s.req, list(s.draft_token_ids), probs))
             plp = s.req.params.prompt_logprobs
             if plp is not None and s.req.wants_prompt_logprobs:
                 result.prompt_logprobs[s.req.request_id] = self._prompt_logprobs(
                     hidden, meta.query_start_loc_cpu[i], s, plp
                 )
-        if sample_rows:
-            logits = self.model.compute_logits(
-                hidden[torch.tensor(sample_rows, device=hidden.device)]
+        if not sample_rows:
+            return result
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+        if all(not it.draft_token_ids for it in items):
+            reqs = [it.req for it in items]
+            mask = (
+                grammar_mask_for([SampleRow(r) for r in reqs])
+                if grammar_mask_for is not None
+                else None
             )
-            mask = grammar_mask_for(sample_reqs) if grammar_mask_for is not None else None
-            out: SamplerOutput = self.sampler(logits, sample_reqs, mask)
-            for req, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs):
-                result.sampled[req.request_id] = (tok, lp)
+            out: SamplerOutput = self.sampler(logits, reqs, mask)
+            for req, tok, lp in zip(reqs, out.token_ids, out.logprobs):
+                result.sampled[req.request_id] = SampledTokens([tok], [lp])
+            return result
+        for it, v in zip(items, verify(logits, items, grammar_mask_for)):
+            result.sampled[it.req.request_id] = SampledTokens(
+                v.token_ids, v.logprobs, len(it.draft_token_ids), v.num_accepted
+            )
         return result
 
     def _prompt_logprobs(
@@ -201,6 +188,58 @@ class ModelRunner:
             )
             for j in range(n)
         ]
+
+
+def build_inputs(
+    batch: Sequence[ScheduledRequest], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Flatten ``batch`` (ordered decodes first) into token ids, positions and metadata.
+
+    Shared by the target runner and draft models, which address the same
+    block ids (each model has its own cache tensors).
+    """
+    bs = block_size
+    ids: list[int] = []
+    seq_idx: list[int] = []
+    starts: list[int] = []
+    qlens: list[int] = []
+    seq_lens: list[int] = []
+    qsl = [0]
+    max_blocks = 1
+    for i, s in enumerate(batch):
+        ids.extend(s.token_ids())
+        seq_idx.extend([i] * s.num_new_tokens)
+        starts.append(s.start)
+        qlens.append(s.num_new_tokens)
+        seq_lens.append(s.start + s.num_new_tokens)
+        qsl.append(qsl[-1] + s.num_new_tokens)
+        max_blocks = max(max_blocks, len(s.req.block_ids))
+    table = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
+    for i, s in enumerate(batch):
+        table[i, : len(s.req.block_ids)] = torch.tensor(s.req.block_ids, dtype=torch.int32)
+    seq_idx_t = torch.tensor(seq_idx, dtype=torch.long)
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    # position of each flattened token = its sequence's start + offset within the chunk
+    offs = torch.arange(len(ids), dtype=torch.long) - qsl_t[:-1].long()[seq_idx_t]
+    positions = torch.tensor(starts, dtype=torch.long)[seq_idx_t] + offs
+    slots = table[seq_idx_t, positions // bs].long() * bs + positions % bs
+    num_decodes = 0
+    while num_decodes < len(qlens) and qlens[num_decodes] == 1:
+        num_decodes += 1
+    meta = AttentionMetadata(
+        query_start_loc=qsl_t.to(device, non_blocking=True),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+        block_tables=table.to(device, non_blocking=True),
+        slot_mapping=slots.to(device, non_blocking=True),
+        max_query_len=max(qlens),
+        max_seq_len=max(seq_lens),
+        num_decodes=num_decodes,
+        query_lens_cpu=qlens,
+        seq_lens_cpu=seq_lens,
+        query_start_loc_cpu=qsl,
+    )
+    input_ids = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+    return input_ids, positions.to(device, non_blocking=True), meta
 
 
 def attention_backend_of(model: Any) -> AttentionBackend | None:
