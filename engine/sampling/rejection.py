@@ -108,6 +108,55 @@ def _noise(
     return noise, states
 
 
+def _draft_probs(item: VerifyRequest) -> torch.Tensor:
+    assert item.draft_probs is not None
+    return item.draft_probs
+
+
+def _acceptance(
+    items: Sequence[VerifyRequest],
+    first_row: list[int],
+    greedy: list[bool],
+    t: torch.Tensor,
+    probs: torch.Tensor | None,
+    noise: torch.Tensor | None,
+    s_rows: list[int],
+) -> list[bool]:
+    """Per row: whether the draft that follows it is accepted (False for last rows)."""
+    device = t.device
+    follow_list = [-1] * t.shape[0]
+    with_q: list[tuple[int, int]] = []  # (item, first row) of drafts with a distribution
+    for n, it in enumerate(items):
+        if it.draft_token_ids:
+            r0 = first_row[n]
+            follow_list[r0 : r0 + len(it.draft_token_ids)] = it.draft_token_ids
+            if it.draft_probs is not None and not greedy[n]:
+                with_q.append((n, r0))
+    follow = torch.tensor(follow_list, dtype=torch.long, device=device)
+    accept = t == follow  # deterministic drafts: the plain sample equals the draft
+    if with_q:
+        assert probs is not None and noise is not None
+        s_pos = {i: m for m, i in enumerate(s_rows)}
+        row_list = [r0 + j for n, r0 in with_q for j in range(len(items[n].draft_token_ids))]
+        rows = torch.tensor(row_list, device=device)
+        sp = torch.tensor([s_pos[r] for r in row_list], device=device)
+        d = follow[rows]
+        p_d = probs[sp].gather(1, d[:, None]).squeeze(1) / probs[sp].sum(dim=-1)
+        q_d = torch.cat(
+            [
+                _draft_probs(items[n])
+                .gather(1, torch.tensor(items[n].draft_token_ids)[:, None])
+                .squeeze(1)
+                for n, _ in with_q
+            ]
+        ).to(device)
+        # u = exp(-e[d]) is uniform; accept with probability min(1, p(d) / q(d)).
+        u = torch.exp(-noise[sp].gather(1, d[:, None]).squeeze(1))
+        accept[rows] = u * q_d < p_d
+    out: list[bool] = accept.tolist()
+    return out
+
+
 def verify(
     logits: torch.Tensor,
     items: Sequence[VerifyRequest],
@@ -143,48 +192,44 @@ def verify(
         probs = sampling_probs(logits[si], [rows[i].req for i in s_rows])
         noise, states = _noise(items, [item_of[i] for i in s_rows], vocab, device)
         t[si] = (probs / noise).argmax(dim=-1)
+    # accept[i]: the draft after row i (d at draft position i + 1) is accepted.
+    accept = _acceptance(items, first_row, greedy, t, probs, noise, s_rows)
     t_list = t.tolist()
-    s_pos = {i: n for n, i in enumerate(s_rows)}  # row -> index into probs / noise
-
     outputs: list[VerifyOutput] = []
     emitted_rows: list[int] = []
     emitted_tokens: list[int] = []
+    residual_rows: list[tuple[int, int, int]] = []  # (output, row, draft position)
     for n, it in enumerate(items):
         r0 = first_row[n]
         drafts = it.draft_token_ids
-        sampled_q = it.draft_probs is not None and not greedy[n]
         j = 0
-        final: int | None = None
-        while j < len(drafts):
-            d = drafts[j]
-            row = r0 + j
-            if not sampled_q:
-                if t_list[row] != d:
-                    final = t_list[row]  # the plain sample: the residual's draw
-                    break
-            else:
-                assert probs is not None and noise is not None and it.draft_probs is not None
-                sp = s_pos[row]
-                p = probs[sp] / probs[sp].sum()
-                q = it.draft_probs[j].to(device)
-                ratio = float(p[d]) / float(q[d]) if float(q[d]) > 0 else float("inf")
-                u = float(torch.exp(-noise[sp, d]))
-                if not u < ratio:
-                    residual = (p - q).clamp_min(0.0)
-                    if float(residual.sum()) <= 0.0:  # p == q: rejection cannot happen
-                        residual = p
-                    final = int((residual / noise[sp]).argmax())
-                    break
+        while j < len(drafts) and accept[r0 + j]:
             j += 1
-        if final is None:
-            final = t_list[r0 + j]  # every draft accepted: the bonus token
-        tokens = [*drafts[:j], final]
+        # The emitted token after j accepted drafts: the plain sample of row j (the
+        # bonus token, or the residual's draw for deterministic drafts); drafts with
+        # a distribution draw from their residual instead (filled in below).
+        tokens = [*drafts[:j], t_list[r0 + j]]
+        if j < len(drafts) and it.draft_probs is not None and not greedy[n]:
+            residual_rows.append((n, r0 + j, j))
         gen = it.req.generator
         if gen is not None and n in states and j + 1 < len(states[n]):
             gen.set_state(states[n][j + 1])  # one draw per emitted position
         outputs.append(VerifyOutput(tokens, [None] * len(tokens), j))
         emitted_rows.extend(range(r0, r0 + j + 1))
-        emitted_tokens.extend(tokens)
+    if residual_rows:
+        assert probs is not None and noise is not None
+        s_pos = {i: m for m, i in enumerate(s_rows)}
+        sp = torch.tensor([s_pos[row] for _, row, _ in residual_rows], device=device)
+        p = probs[sp] / probs[sp].sum(dim=-1, keepdim=True)
+        q = torch.stack([_draft_probs(items[n])[j] for n, _, j in residual_rows]).to(device)
+        residual = (p - q).clamp_min(0.0)
+        # p == q leaves no residual, but then rejection cannot happen: keep p.
+        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+        drawn = (residual / noise[sp]).argmax(dim=-1).tolist()
+        for (n, _, _), tok in zip(residual_rows, drawn):
+            outputs[n].token_ids[-1] = tok
+    for out in outputs:
+        emitted_tokens.extend(out.token_ids)
     if raw is not None:
         lps = gather_logprobs(
             raw[torch.tensor(emitted_rows, device=device)],
