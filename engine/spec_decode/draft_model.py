@@ -219,9 +219,9 @@ class DraftModelProposer(Proposer):
 
     def _forward(self, batch: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
         """Run ``batch`` (decodes first) through the draft; hidden states and chunk ends."""
-        ids, pos, meta = build_inputs(batch, self.block_size, self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
-        return hidden, meta.query_start_loc_cpu[1:]
+        inputs = build_inputs(batch, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return hidden, inputs.chunk_starts[1:]
 
     def _sample(
         self,

@@ -71,6 +71,8 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        backend = attention_backend_of(model)
+        self.split_verification = backend is not None and backend.decode_rows_for_verification
 
     def enable_decode_graphs(
         self, sizes: list[int], max_model_len: int, graph_factory: GraphFactory
@@ -93,11 +95,9 @@ class ModelRunner:
             graph_factory,
         )
 
-    def prepare(
-        self, batch: Sequence[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten ``batch`` (already ordered decodes first) into model inputs."""
-        return build_inputs(batch, self.block_size, self.device)
+    def prepare(self, batch: Sequence[ScheduledRequest]) -> StepInputs:
+        """Flatten ``batch`` (already ordered decode rows first) into model inputs."""
+        return build_inputs(batch, self.block_size, self.device, self.split_verification)
 
     @torch.inference_mode()
     def execute(
@@ -112,9 +112,12 @@ class ModelRunner:
         drafts was drawn from (``[k, vocab]``), or None for deterministic drafts.
         """
         # Decodes (query length 1) first: the attention contract groups them.
-        # Verification chunks (1 + k tokens) go with the prefill/extend chunks.
-        batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta = self.prepare(batch)
+        # Verification chunks (1 + k tokens) join them as rows where the backend
+        # prefers it (``as_decode_rows``), else go with the prefill/extend chunks.
+        split = self.split_verification
+        batch = sorted(scheduled, key=lambda s: not as_decode_rows(s, split))
+        inputs = self.prepare(batch)
+        input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
         hidden = None
         if self.graphs is not None:
             hidden = self.graphs.run(input_ids, positions, meta)
@@ -125,7 +128,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         items: list[VerifyRequest] = []
         for i, s in enumerate(batch):
-            end = meta.query_start_loc_cpu[i + 1]
+            end = inputs.chunk_starts[i + 1]
             if s.completes_sequence:
                 n_rows = 1 + s.num_draft_tokens
                 sample_rows.extend(range(end - n_rows, end))
@@ -134,7 +137,7 @@ class ModelRunner:
             plp = s.req.params.prompt_logprobs
             if plp is not None and s.req.wants_prompt_logprobs:
                 result.prompt_logprobs[s.req.request_id] = self._prompt_logprobs(
-                    hidden, meta.query_start_loc_cpu[i], s, plp
+                    hidden, inputs.chunk_starts[i], s, plp
                 )
         if not sample_rows:
             return result
@@ -190,44 +193,81 @@ class ModelRunner:
         ]
 
 
-def build_inputs(
-    batch: Sequence[ScheduledRequest], block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Flatten ``batch`` (ordered decodes first) into token ids, positions and metadata.
+@dataclass
+class StepInputs:
+    """One step's flattened model inputs.
 
-    Shared by the target runner and draft models, which address the same
-    block ids (each model has its own cache tensors).
+    ``chunk_starts[i]`` is the first flattened token of batch entry ``i``
+    (``chunk_starts[-1]``: the token count): with verification chunks given
+    as rows, an entry may span several attention sequences.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    chunk_starts: list[int]
+
+
+def as_decode_rows(s: ScheduledRequest, split_verification: bool) -> bool:
+    """Whether ``s`` attends as query-length-1 rows: a decode, or (when the backend
+    prefers it) a verification chunk, whose ``1 + k`` tokens then attend as ``1 + k``
+    sequences over the same block table, of lengths ``start + 1 ... start + 1 + k``.
+    That is exactly the chunk's causal attention, computed by the decode kernel
+    (the one plain decoding uses), which reads the cache in place."""
+    return s.num_new_tokens == 1 or (split_verification and s.num_draft_tokens > 0)
+
+
+def build_inputs(
+    batch: Sequence[ScheduledRequest],
+    block_size: int,
+    device: torch.device,
+    split_verification: bool = False,
+) -> StepInputs:
+    """Flatten ``batch`` into token ids, positions and metadata.
+
+    Entries that ``as_decode_rows`` must come first (the attention contract
+    groups query-length-1 sequences). Shared by the target runner and draft
+    models, which address the same block ids (each model has its own cache
+    tensors).
     """
     bs = block_size
     ids: list[int] = []
-    seq_idx: list[int] = []
-    starts: list[int] = []
+    pos: list[int] = []
     qlens: list[int] = []
     seq_lens: list[int] = []
+    seq_blocks: list[list[int]] = []
+    chunk_starts = [0]
+    for s in batch:
+        toks = s.token_ids()
+        ids.extend(toks)
+        pos.extend(range(s.start, s.start + s.num_new_tokens))
+        if s.num_new_tokens > 1 and split_verification and s.num_draft_tokens > 0:
+            for j in range(s.num_new_tokens):
+                qlens.append(1)
+                seq_lens.append(s.start + j + 1)
+                seq_blocks.append(s.req.block_ids)
+        else:
+            qlens.append(s.num_new_tokens)
+            seq_lens.append(s.start + s.num_new_tokens)
+            seq_blocks.append(s.req.block_ids)
+        chunk_starts.append(len(ids))
+    max_blocks = max(1, *(len(b) for b in seq_blocks)) if seq_blocks else 1
+    table = torch.zeros((len(seq_blocks), max_blocks), dtype=torch.int32)
+    for i, blocks in enumerate(seq_blocks):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
     qsl = [0]
-    max_blocks = 1
-    for i, s in enumerate(batch):
-        ids.extend(s.token_ids())
-        seq_idx.extend([i] * s.num_new_tokens)
-        starts.append(s.start)
-        qlens.append(s.num_new_tokens)
-        seq_lens.append(s.start + s.num_new_tokens)
-        qsl.append(qsl[-1] + s.num_new_tokens)
-        max_blocks = max(max_blocks, len(s.req.block_ids))
-    table = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
-    for i, s in enumerate(batch):
-        table[i, : len(s.req.block_ids)] = torch.tensor(s.req.block_ids, dtype=torch.int32)
-    seq_idx_t = torch.tensor(seq_idx, dtype=torch.long)
-    qsl_t = torch.tensor(qsl, dtype=torch.int32)
-    # position of each flattened token = its sequence's start + offset within the chunk
-    offs = torch.arange(len(ids), dtype=torch.long) - qsl_t[:-1].long()[seq_idx_t]
-    positions = torch.tensor(starts, dtype=torch.long)[seq_idx_t] + offs
-    slots = table[seq_idx_t, positions // bs].long() * bs + positions % bs
+    for q in qlens:
+        qsl.append(qsl[-1] + q)
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(len(qlens)), torch.tensor(qlens, dtype=torch.long)
+    )
+    positions = torch.tensor(pos, dtype=torch.long)
+    slots = table[seq_of_token, positions // bs].long() * bs + positions % bs
     num_decodes = 0
     while num_decodes < len(qlens) and qlens[num_decodes] == 1:
         num_decodes += 1
     meta = AttentionMetadata(
-        query_start_loc=qsl_t.to(device, non_blocking=True),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device, non_blocking=True),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
         block_tables=table.to(device, non_blocking=True),
         slot_mapping=slots.to(device, non_blocking=True),
@@ -239,7 +279,7 @@ def build_inputs(
         query_start_loc_cpu=qsl,
     )
     input_ids = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
-    return input_ids, positions.to(device, non_blocking=True), meta
+    return StepInputs(input_ids, positions.to(device, non_blocking=True), meta, chunk_starts)
 
 
 def attention_backend_of(model: Any) -> AttentionBackend | None:
