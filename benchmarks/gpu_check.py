@@ -116,9 +116,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def default_out_path() -> Path:
-    """``$OUT/gpu.md`` when the device harness provides ``$OUT``, else the docs folder."""
+    """``$OUT/gpu-check.md`` when the device harness provides ``$OUT``, else the docs
+    folder (docs/benchmarks/gpu.md is the status page that links these results)."""
     out_dir = os.environ.get("OUT")
-    return Path(out_dir) / "gpu.md" if out_dir else REPO_ROOT / "docs" / "benchmarks" / "gpu.md"
+    if out_dir:
+        return Path(out_dir) / "gpu-check.md"
+    return REPO_ROOT / "docs" / "benchmarks" / "gpu-check.md"
 
 
 # ------------------------------------------------------------------ timing

@@ -18,19 +18,23 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from engine.client import EngineClient, ForcedToolChoice, JsonValue
 from engine.config import EngineConfig
 from engine.errors import EngineUnavailableError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request import RequestOptions
-from engine.sampling.params import SamplingParams
+from engine.sampling.params import SamplingParams, StructuredOutputSpec
 from engine.stats import EngineStats
+from engine.trace import RequestTrace
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -67,6 +71,8 @@ class _Call:
 
 
 class AsyncEngine:
+    """The engine's ``EngineClient`` (engine/client.py): an ``LLMEngine`` on its own thread."""
+
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
         """Build the engine (on the engine thread, see the module doc) and wait for it.
 
@@ -191,12 +197,31 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+    async def call(self, fn: Callable[[LLMEngine], _T]) -> _T:
         """Run ``fn(engine)`` on the engine thread at a step boundary (tests, debug)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Any] = loop.create_future()
         self._commands.put(_Call(fn, done, loop))
-        return await done
+        result: _T = await done
+        return result
+
+    def tool_call_spec(
+        self,
+        tools: Sequence[Mapping[str, JsonValue]],
+        tool_choice: ForcedToolChoice,
+        parser: str,
+        parallel_tool_calls: bool,
+    ) -> StructuredOutputSpec:
+        # The compiler is thread safe (built once under a lock), so no engine-thread hop.
+        return self.engine.grammar.build_tool_call_spec(
+            tools, tool_choice, parser, parallel_tool_calls=parallel_tool_calls
+        )
+
+    async def get_trace(self, request_ids: Sequence[str]) -> RequestTrace | None:
+        if not self.traces_enabled:
+            return None
+        ids = list(request_ids)
+        return await self.call(lambda eng: eng.get_trace(ids))
 
     def get_stats(self) -> EngineStats:
         return self._stats
@@ -287,3 +312,9 @@ def _copy_stats(s: EngineStats) -> EngineStats:
     c = EngineStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
     c.rejections = dict(s.rejections)
     return c
+
+
+if TYPE_CHECKING:
+    # AsyncEngine is the engine's EngineClient: mypy checks the conformance here.
+    def _conforms(engine: AsyncEngine) -> EngineClient:
+        return engine

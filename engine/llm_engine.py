@@ -7,6 +7,7 @@ ended. ``AsyncEngine`` drives it from a thread; ``LLM`` from a plain loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -47,7 +48,7 @@ from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.speculator import Speculator
 from engine.stats import EngineStats
 from engine.text.tokenizer import Tokenizer
-from engine.trace import NullTraceRecorder, TraceRecorder, TraceStore
+from engine.trace import NullTraceRecorder, RequestTrace, TraceRecorder, TraceStore
 from engine.worker.cuda_graphs import batch_size_ladder, cuda_graph_factory
 from engine.worker.model_runner import ModelRunner, StepResult, attention_backend_of
 from kernels.cpu_native import CpuKernels, NativeBuildError
@@ -632,11 +633,19 @@ class LLMEngine:
                 self.tracer.on_prefill_chunk(rid, s.num_new_tokens, s.start, ms)
             self.tracer.on_blocks(rid, len(s.req.block_ids))
 
-    def get_trace(self, request_id: str) -> object | None:
-        """The trace of a request (or of choice 0 of an n > 1 request), if tracing is on."""
+    def get_trace(self, request_ids: Sequence[str]) -> RequestTrace | None:
+        """A copy of the first stored trace among ``request_ids`` (None if tracing is off).
+
+        The copy has its own event list, so the caller may read it after the
+        engine moves on. Call it on the engine thread (``AsyncEngine.get_trace``).
+        """
         if self.traces is None:
             return None
-        return self.traces.get(request_id) or self.traces.get(f"{request_id}-0")
+        for rid in request_ids:
+            trace = self.traces.get(rid)
+            if trace is not None:
+                return dataclasses.replace(trace, events=list(trace.events))
+        return None
 
     def _fail(
         self, scheduled: Sequence[ScheduledRequest]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check: kernel tests on CUDA, kernel microbenchmarks, offline engine benchmarks.
-# Writes $OUT/gpu.md (or docs/benchmarks/gpu.md). Extra arguments go to gpu_check.py,
+# Writes $OUT/gpu-check.md (or docs/benchmarks/gpu-check.md), with the date and commit. Extra arguments go to gpu_check.py,
 # e.g. --sections pytest,attention or --num-seqs 128.
 set -euo pipefail
 cd "$(dirname "$0")/.."

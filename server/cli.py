@@ -23,6 +23,7 @@ import yaml
 from engine.config import EngineConfig
 from engine.settings import FieldSpec, coerce, field_specs
 from server.config import ServerConfig
+from server.middleware import FrontDoorState
 
 logger = logging.getLogger("fuel_serve.cli")
 
@@ -160,7 +161,9 @@ class DrainingServer(uvicorn.Server):
     signal stops at once. The signal is not re-raised, so a drained exit is status 0.
     """
 
-    def __init__(self, config: uvicorn.Config, front: Any, shutdown_timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, front: FrontDoorState, shutdown_timeout: float
+    ) -> None:
         super().__init__(config)
         self.front = front
         self.shutdown_timeout = shutdown_timeout

@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from server.protocol import error_body, error_type_for_status
+from server.errors import error_body, error_type_for_status
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -219,14 +219,6 @@ class SamplingFields(OpenAIModel):
         return self
 
 
-# Keys a client may pass to the chat template. Everything else could flip template
-# behaviour in ways we cannot vouch for (or reach into the renderer), so it is refused.
-# The engine tokenizer's ``SAFE_TEMPLATE_KWARGS`` wins when present; this is the fallback.
-DEFAULT_SAFE_TEMPLATE_KWARGS: frozenset[str] = frozenset(
-    {"enable_thinking", "thinking", "reasoning_effort"}
-)
-
-
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions`` body."""
 
@@ -312,30 +304,3 @@ class TokenizeRequest(OpenAIModel):
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: list[int]
-
-
-# ---------------------------------------------------------------------------
-# Errors
-# ---------------------------------------------------------------------------
-
-
-def error_body(
-    message: str, err_type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """OpenAI's error envelope."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
-def error_type_for_status(status: int) -> str:
-    """OpenAI's ``type`` strings by status."""
-    if status == 401:
-        return "authentication_error"
-    if status == 403:
-        return "permission_error"
-    if status == 404:
-        return "not_found_error"
-    if status == 429:
-        return "rate_limit_error"
-    if status >= 500:
-        return "server_error" if status != 503 else "service_unavailable_error"
-    return "invalid_request_error"

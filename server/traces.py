@@ -8,8 +8,8 @@ Contracts:
   multi-prompt completion; the plain id answers choice 0 of the first prompt.
 - Without ``--enable-request-traces``, or for an unknown/evicted id, the answer
   is 404 in the OpenAI error envelope (the route raises :class:`TraceNotFound`).
-- The trace is copied on the engine thread (``AsyncEngine.call``), so the
-  engine loop never mutates what is being serialized.
+- The trace is copied between engine steps (``EngineClient.get_trace``), so
+  the engine loop never mutates what is being serialized.
 - Default view: the whole trace. It holds metadata only unless the engine runs
   with ``--log-prompts``; then the recorded token ids are also decoded into
   ``prompt_text`` / ``output_text``. ``?publish=true`` answers
@@ -22,7 +22,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.trace import RequestTrace, review_for_publication, summarize_timings
+from engine.client import (
+    ClientTokenizer,
+    EngineClient,
+    RequestTrace,
+    review_for_publication,
+    summarize_timings,
+)
 
 # Response-id prefixes the server puts in front of engine request ids.
 RESPONSE_ID_PREFIXES: tuple[str, ...] = ("chatcmpl-", "cmpl-")
@@ -47,24 +53,7 @@ def engine_id_candidates(trace_id: str) -> list[str]:
     return [base, f"{base}-0", f"{base}-0-0"]
 
 
-def snapshot_trace(engine: Any, candidates: list[str]) -> RequestTrace | None:
-    """Copy of the first trace found among ``candidates``. Run it on the engine thread.
-
-    ``engine`` is an ``LLMEngine`` (anything with ``traces``, a ``TraceStore``
-    or None). The copy has its own event list, so it can be read after the
-    engine moves on.
-    """
-    store = getattr(engine, "traces", None)
-    if store is None:
-        return None
-    for rid in candidates:
-        trace = store.get(rid)
-        if isinstance(trace, RequestTrace):
-            return dataclasses.replace(trace, events=list(trace.events))
-    return None
-
-
-def decode_content(trace: RequestTrace, tokenizer: Any) -> None:
+def decode_content(trace: RequestTrace, tokenizer: ClientTokenizer) -> None:
     """Fill ``prompt_text`` / ``output_text`` from recorded token ids (``--log-prompts`` only).
 
     The engine records ids, not text; without ``--log-prompts`` there are no
@@ -99,18 +88,10 @@ def trace_to_dict(trace: RequestTrace) -> dict[str, Any]:
     return out
 
 
-async def fetch_trace(engine: Any, trace_id: str, *, publish: bool) -> dict[str, Any]:
-    """The JSON body for ``GET /v1/traces/{trace_id}``; raises :class:`TraceNotFound`.
-
-    ``engine`` is the app's engine client; it must offer ``call(fn)`` running
-    ``fn`` on the engine thread (``AsyncEngine.call``), else no traces exist.
-    """
-    call = getattr(engine, "call", None)
-    if call is None:
-        raise TraceNotFound(trace_id)
-    candidates = engine_id_candidates(trace_id)
-    trace = await call(lambda eng: snapshot_trace(eng, candidates))
-    if not isinstance(trace, RequestTrace):
+async def fetch_trace(engine: EngineClient, trace_id: str, *, publish: bool) -> dict[str, Any]:
+    """The JSON body for ``GET /v1/traces/{trace_id}``; raises :class:`TraceNotFound`."""
+    trace = await engine.get_trace(engine_id_candidates(trace_id))
+    if trace is None:
         raise TraceNotFound(trace_id)
     if publish:
         # Published traces never carry content, so there is nothing to decode.

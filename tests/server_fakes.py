@@ -1,4 +1,4 @@
-"""A scripted fake of ``engine.async_engine.AsyncEngine`` and an OpenAPI schema checker.
+"""A scripted fake ``engine.client.EngineClient`` and an OpenAPI schema checker.
 
 The fake tokenizer maps each character to one token (``ord(c) + 10``) so tests
 can predict token counts; the fake engine "generates" a fixed reply character
@@ -11,7 +11,7 @@ import asyncio
 import copy
 import dataclasses
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +19,11 @@ from typing import Any
 import yaml
 from openapi_schema_validator import OAS31Validator
 
+from engine.client import EngineStats, RequestTrace
 from engine.errors import EngineUnavailableError, InvalidRequestError, RequestRejectedError
 from engine.outputs import CompletionDelta, PositionLogprobs, RequestOutput, TokenLogprob
 from engine.request import RequestOptions
-from engine.sampling.params import SamplingParams
-from engine.stats import EngineStats
+from engine.sampling.params import SamplingParams, StructuredOutputSpec
 
 VOCAB = 1000
 OFFSET = 10
@@ -110,6 +110,19 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
         self.running.discard(request_id)
+
+    def tool_call_spec(
+        self,
+        tools: Sequence[Mapping[str, Any]],
+        tool_choice: Any,
+        parser: str,
+        parallel_tool_calls: bool,
+    ) -> StructuredOutputSpec:
+        # The fake has no grammar compiler (it has no real vocabulary to mask).
+        raise InvalidRequestError("forced tool calls need a real engine", param="tool_choice")
+
+    async def get_trace(self, request_ids: Sequence[str]) -> RequestTrace | None:
+        return None  # the fake records no traces (tests/test_traces_api.py has one that does)
 
     def _logprobs(self, token_id: int, k: int) -> PositionLogprobs:
         top = [TokenLogprob(token_id, -0.5)] + [

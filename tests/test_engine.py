@@ -292,7 +292,7 @@ def test_request_traces_add_up_and_hold_no_text(tiny_dirs: dict[str, Path]) -> N
     eng.add_request("t", list(range(3, 23)), greedy(5))
     while eng.has_unfinished():
         eng.step()
-    trace = eng.get_trace("t")
+    trace = eng.get_trace(["t"])
     assert trace is not None
     kinds = [type(e) for e in trace.events]
     assert kinds.count(PrefillChunk) == 3  # 20 prompt tokens in chunks of 8, 8, 4

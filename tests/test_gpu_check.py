@@ -26,9 +26,9 @@ def test_parse_args_defaults_and_errors() -> None:
 
 def test_default_out_path_follows_out_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("OUT", str(tmp_path))
-    assert gpu_check.default_out_path() == tmp_path / "gpu.md"
+    assert gpu_check.default_out_path() == tmp_path / "gpu-check.md"
     monkeypatch.delenv("OUT")
-    assert gpu_check.default_out_path().parts[-3:] == ("docs", "benchmarks", "gpu.md")
+    assert gpu_check.default_out_path().parts[-3:] == ("docs", "benchmarks", "gpu-check.md")
 
 
 def test_dry_run_writes_report_and_survives_failing_section(

@@ -703,3 +703,10 @@ def test_metrics_observe_finished_and_rejections() -> None:
         and ln.endswith(" 1.0")
         for ln in text.splitlines()
     )
+
+
+def test_fake_engine_implements_the_client_protocol() -> None:
+    from engine.client import EngineClient
+
+    assert isinstance(FakeEngine(), EngineClient)
+    assert not isinstance(object(), EngineClient)

@@ -1,16 +1,18 @@
 """``GET /v1/traces/{id}`` and the per-request log line, against a fake engine (fast).
 
 The fake records real ``engine.trace`` traces (one prefill chunk, one decode
-step per later token) under the engine request ids the app chooses, and offers
-``call(fn)`` as ``AsyncEngine`` does, so the route's id mapping, 404s, content
+step per later token) under the engine request ids the app chooses, and answers
+``get_trace`` as ``AsyncEngine`` does, so the route's id mapping, 404s, content
 decoding and publication review are exercised without a model.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +25,7 @@ from engine.sampling.params import SamplingParams
 from engine.trace import RequestTrace, TraceRecorder, TraceStore
 from server.app import build_app
 from server.config import ServerConfig
-from server.traces import engine_id_candidates, snapshot_trace
+from server.traces import engine_id_candidates
 from tests.server_fakes import FakeEngine, assert_schema
 
 CHAT = "/v1/chat/completions"
@@ -41,8 +43,12 @@ class TracingFakeEngine(FakeEngine):
     def __post_init__(self) -> None:
         self.tracer = TraceRecorder(self.traces, log_prompts=self.log_prompts)
 
-    async def call(self, fn: Any) -> Any:
-        return fn(self)
+    async def get_trace(self, request_ids: Sequence[str]) -> RequestTrace | None:
+        for rid in request_ids:
+            trace = self.traces.get(rid)
+            if trace is not None:
+                return dataclasses.replace(trace, events=list(trace.events))
+        return None
 
     async def generate(
         self,
@@ -112,14 +118,13 @@ def test_candidates_strip_prefix() -> None:
     assert engine_id_candidates("raw") == ["raw", "raw-0", "raw-0-0"]
 
 
-def test_snapshot_is_a_copy() -> None:
+def test_trace_is_a_copy() -> None:
     engine = TracingFakeEngine()
     engine.tracer.on_arrival("r", 1.0)
-    snap = snapshot_trace(engine, ["r"])
-    assert isinstance(snap, RequestTrace)
+    snap = asyncio.run(engine.get_trace(["x", "r"]))
+    assert isinstance(snap, RequestTrace) and snap.request_id == "r"
     engine.tracer.on_scheduled("r", 2.0)
     assert snap.events == [] and len(engine.traces.get("r").events) == 1  # type: ignore[union-attr]
-    assert snapshot_trace(object(), ["r"]) is None  # no trace store: tracing off
 
 
 def test_traces_off_is_404() -> None:
@@ -128,7 +133,7 @@ def test_traces_off_is_404() -> None:
         assert_not_found(client.get(f"/v1/traces/{reply['id']}"))
 
 
-def test_engine_without_call_is_404() -> None:
+def test_engine_without_traces_is_404() -> None:
     with make_client(FakeEngine(), enable_request_traces=True) as client:
         reply = chat(client)
         assert_not_found(client.get(f"/v1/traces/{reply['id']}"))

@@ -1,0 +1,204 @@
+"""``POST /v1/chat/completions``: messages -> chat template -> the generation pipeline.
+
+Chat's own part is the shape of a choice (``ChatFormat``): a message with
+``content`` and parsed ``tool_calls``, or streamed deltas (the role first,
+then content and call deltas from an incremental tool-call parser per choice).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from engine.client import ClientTokenizer, JsonObject, JsonValue
+from engine.outputs import CompletionDelta, PositionLogprobs
+from server.generation import (
+    ChoiceFormat,
+    ChoiceState,
+    Generation,
+    output_budget,
+    request_options,
+    sampling_params,
+)
+from server.logprobs import chat_logprobs
+from server.prompts import render_chat, template_kwargs
+from server.protocol import ChatCompletionRequest
+from server.state import State, request_id
+from server.tool_parsers import ToolCallDelta, ToolStreamParser
+from server.tools import (
+    ToolPlan,
+    log_invalid_calls,
+    log_invalid_streamed,
+    resolve_tool_calling,
+    tool_call_json,
+    tool_delta_json,
+)
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
+    engine = state.ready_engine()
+    model = state.check_model(engine, body.model)
+    plan = resolve_tool_calling(engine, body, state.config)
+    kwargs = template_kwargs(body.chat_template_kwargs)
+    messages = [m.to_template_dict() for m in body.messages]
+    offered = plan.tools if plan is not None and plan.tools else None
+    prompt_ids = await render_chat(
+        engine, messages, body.add_generation_prompt, kwargs, tools=offered
+    )
+    budget = output_budget(
+        body.output_budget(), len(prompt_ids), engine.max_model_len, "the messages"
+    )
+    top_k = body.top_logprobs or 0
+    params = sampling_params(
+        body,
+        max_tokens=budget,
+        logprobs=top_k if body.logprobs else None,
+        prompt_logprobs=None,
+        vocab_size=engine.tokenizer.vocab_size,
+        structured=plan.structured if plan is not None else None,
+    )
+    rid_base = request_id(request)
+    engine_rid = f"{rid_base}-{uuid.uuid4().hex[:8]}"
+    state.log_prompt(engine_rid, messages)
+    generation = Generation.submit(
+        engine,
+        [(engine_rid, prompt_ids, params)],
+        request_options(body),
+        metrics=state.metrics,
+        client_request_id=rid_base,
+        # Response id = prefix + engine request id: GET /v1/traces/{id} maps back statelessly.
+        response_id=f"chatcmpl-{engine_rid}",
+        model=model,
+        include_usage=body.include_usage(),
+    )
+    await generation.start()
+    echo_prefix = ""
+    if body.echo and body.messages[-1].role == "assistant":
+        echo_prefix = body.messages[-1].text()
+    fmt = ChatFormat(engine.tokenizer, body, plan, echo_prefix, top_k)
+    if body.stream:
+        return generation.stream(fmt)
+    return await generation.answer(request, fmt)
+
+
+class ChatFormat(ChoiceFormat):
+    """Chat choices: ``message`` (tool calls parsed out) or streamed ``delta``s."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    null_usage_in_chunks = True
+
+    def __init__(
+        self,
+        tok: ClientTokenizer,
+        body: ChatCompletionRequest,
+        plan: ToolPlan | None,
+        echo_prefix: str,
+        top_k: int,
+    ) -> None:
+        self.tok = tok
+        self.n = body.n
+        self.want_logprobs = body.logprobs
+        self.plan = plan
+        self.echo_prefix = echo_prefix
+        self.top_k = top_k
+        # One incremental tool-call parser per streamed choice; content it holds
+        # back (a possible call opening) is released or turned into call deltas.
+        self.parsers: dict[int, ToolStreamParser] = {}
+        self.has_calls: set[int] = set()
+        self.sent_calls: dict[int, list[ToolCallDelta]] = {}  # validated at finish
+
+    def _logprobs(self, positions: list[PositionLogprobs]) -> JsonValue:
+        if not self.want_logprobs:
+            return None
+        return {"content": chat_logprobs(self.tok, positions, self.top_k), "refusal": None}
+
+    def prelude(self) -> list[JsonObject]:
+        if self.plan is not None and self.plan.parser is not None:
+            self.parsers = {i: self.plan.parser.stream() for i in range(self.n)}
+        return [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": self.echo_prefix},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(self.n)
+        ]
+
+    def _tool_delta(
+        self, index: int, d: CompletionDelta, finish: str | None, delta: JsonObject
+    ) -> str | None:
+        """Feed the choice's parser; fill ``delta``; return the (maybe ``tool_calls``) finish."""
+        parser = self.parsers[index]
+        pieces = [parser.feed(d.delta_text)] if d.delta_text else []
+        if finish is not None:
+            pieces.append(parser.finish())
+        content = "".join(p.content for p in pieces)
+        calls = [c for p in pieces for c in p.tool_calls]
+        if self.plan is not None and not self.plan.parallel:
+            calls = [c for c in calls if c.index == 0]
+        if content:
+            delta["content"] = content
+        if calls:
+            self.has_calls.add(index)
+            self.sent_calls.setdefault(index, []).extend(calls)
+            delta["tool_calls"] = [tool_delta_json(c) for c in calls]
+        if finish is not None and index in self.sent_calls and self.plan is not None:
+            log_invalid_streamed(self.sent_calls.pop(index), self.plan.tools)
+        if finish == "stop" and index in self.has_calls:
+            return "tool_calls"
+        return finish
+
+    def stream_choice(
+        self, index: int, delta: CompletionDelta, finish: str | None
+    ) -> JsonObject | None:
+        out: JsonObject = {}
+        if self.parsers:
+            finish = self._tool_delta(index, delta, finish, out)
+        elif delta.delta_text:
+            out["content"] = delta.delta_text
+        if not out and finish is None and not delta.delta_logprobs:
+            return None
+        choice: JsonObject = {
+            "index": index,
+            "delta": out,
+            "logprobs": self._logprobs(delta.delta_logprobs or []),
+            "finish_reason": finish,
+        }
+        if finish is not None:
+            choice["stop_reason"] = delta.stop_reason
+        return choice
+
+    def _message(self, text: str, finish: str | None) -> tuple[JsonObject, str]:
+        """``message`` and ``finish_reason`` of a finished choice, tool calls parsed out."""
+        message: JsonObject = {"role": "assistant", "content": text, "refusal": None}
+        reason = finish or "stop"
+        plan = self.plan
+        if plan is not None and plan.parser is not None:
+            parsed = plan.parser.parse(text)
+            calls = parsed.tool_calls if plan.parallel else parsed.tool_calls[:1]
+            if calls:
+                log_invalid_calls(calls, plan.tools)
+                message["content"] = parsed.content
+                message["tool_calls"] = [tool_call_json(call) for call in calls]
+                if reason == "stop":
+                    reason = "tool_calls"
+        return message, reason
+
+    def final_choice(self, choice: ChoiceState) -> JsonObject:
+        message, reason = self._message(
+            self.echo_prefix + "".join(choice.text), choice.finish_reason
+        )
+        return {
+            "index": choice.index,
+            "message": message,
+            "finish_reason": reason,
+            "logprobs": self._logprobs(choice.logprobs),
+            "stop_reason": choice.stop_reason,
+        }

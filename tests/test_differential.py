@@ -1,0 +1,336 @@
+"""The differential exactness suite: every axis gives the reference's greedy answer.
+
+For a set of prompts (mixed lengths, half sharing a long prefix), the greedy
+token ids, the logprobs of every generated position and the prompt logprobs
+must be the same (tests/differential.py says how close "same" is) whether a
+request runs alone (the reference, prefix cache off) or:
+
+- ``batch``: with all the others at once (16 mixed lengths);
+- ``chunked16``: with chunked prefill at a 16-token step budget;
+- ``stagger``: arriving two steps apart, joining running decodes;
+- ``no_chunking``: with chunked prefill off;
+- ``prefix_warm``: from a warm prefix cache (full and partial hits);
+- ``preempt``: in a KV cache so small that requests are preempted and recomputed;
+- ``n4``: as one of ``n: 4`` greedy choices (each choice is the answer);
+- ``torch_attention``: on the torch attention backend instead of the native one;
+- ``grammar``: under a regex that allows exactly the reference text;
+- through the server (``test_server_axes``): /v1/completions streamed and not,
+  with ``echo`` and prompt logprobs, and chat streamed against not streamed.
+
+Modes (``MODES``): engine settings whose numerics differ legitimately; each
+axis is compared with the reference of its own mode. Run on a tiny random
+checkpoint (every axis) and on the default model (the axes marked for it).
+A new engine feature (speculation, KV tiers, KV formats, policies, TP) adds
+its axis to ``AXES`` (or its mode to ``MODES``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling.params import SamplingParams
+from tests.conftest import default_gguf_path
+from tests.differential import (
+    TOP_K,
+    Answer,
+    Case,
+    EngineFactory,
+    assert_same,
+    grammar_for,
+    greedy_params,
+    make_cases,
+    run_alone,
+    run_together,
+    run_warm_cache,
+)
+from tests.model_utils import make_tiny_checkpoint
+
+# Exact mode: float32 weights and KV cache (token-identical to transformers).
+EXACT: dict[str, Any] = {"cpu_linear": "onednn", "kv_cache_dtype": "float32"}
+MODES: dict[str, dict[str, Any]] = {"exact": EXACT}
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model under test: how to build its engine, and its cases."""
+
+    name: str
+    base: dict[str, Any]
+    cases: tuple[Case, ...]
+    preempt: dict[str, Any]  # a KV cache small enough to force preemptions
+
+    def factory(self, mode: dict[str, Any]) -> EngineFactory:
+        def make(**overrides: Any) -> LLMEngine:
+            return LLMEngine(EngineConfig(**{**self.base, **mode, **overrides}))
+
+        return make
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    # The default model's vocabulary, so outputs are real tokens (byte-level text,
+    # chat templates) while the model stays tiny.
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("diff"), "llama", vocab_size=49152)
+    return Model(
+        name="tiny",
+        base=dict(
+            model=str(ckpt),
+            tokenizer=str(default_gguf_path()),
+            block_size=4,
+            kv_cache_memory=4 << 20,
+            max_num_batched_tokens=64,
+            debug_invariants=True,
+        ),
+        # Token ids 17..255: printable single-byte tokens and byte-level pieces.
+        cases=tuple(make_cases(7, 16, (17, 256), max_prompt=48, max_tokens=10)),
+        preempt={"num_gpu_blocks_override": 40},
+    )
+
+
+@pytest.fixture(scope="module")
+def smollm() -> Model:
+    return Model(
+        name="smollm2",
+        base=dict(block_size=16, max_num_batched_tokens=256, debug_invariants=True),
+        # Ordinary English-ish token ids of the default model's vocabulary.
+        cases=tuple(make_cases(11, 4, (300, 20000), max_prompt=40, max_tokens=6)),
+        # Small blocks, so that decodes cross block boundaries in a full pool.
+        preempt={"num_gpu_blocks_override": 24, "block_size": 4},
+    )
+
+
+# ------------------------------------------------------------------ axes
+
+Runner = Callable[[Model, EngineFactory, list[Answer]], list[list[Answer]]]
+
+
+@dataclass(frozen=True)
+class Axis:
+    """How an axis runs the cases; ``prompt_logprobs``: whether its answers carry
+    prompt logprobs to compare (an axis that leaves them off says so here)."""
+
+    run: Runner
+    prompt_logprobs: bool = True
+
+
+def _preempted(eng: LLMEngine) -> None:
+    assert eng.scheduler.num_preemptions > 0, "the preemption axis did not preempt"
+
+
+def _grammar(model: Model, make: EngineFactory, ref: list[Answer]) -> list[list[Answer]]:
+    """Each case under a regex of its reference text. A reference that ends inside
+    a UTF-8 sequence (a byte-level piece) has no exact regex: those cases run
+    unconstrained in the same batch; most cases must be constrained."""
+    constrained = [i for i, a in enumerate(ref) if "\ufffd" not in a.text and a.text]
+    assert len(constrained) >= len(ref) // 2, "too few cases have a regex-exact text"
+
+    def params(c: Case, i: int) -> SamplingParams:
+        p = greedy_params(c)
+        return replace(p, structured=grammar_for(ref[i].text)) if i in constrained else p
+
+    return run_together(make, list(model.cases), params=params)
+
+
+AXES: dict[str, Axis] = {
+    "batch": Axis(lambda m, make, ref: run_together(make, list(m.cases))),
+    "chunked16": Axis(
+        lambda m, make, ref: run_together(make, list(m.cases), max_num_batched_tokens=16)
+    ),
+    "stagger": Axis(
+        lambda m, make, ref: run_together(make, list(m.cases), stagger=2, max_num_batched_tokens=24)
+    ),
+    "no_chunking": Axis(
+        lambda m, make, ref: run_together(
+            make, list(m.cases), enable_chunked_prefill=False, max_num_batched_tokens=128
+        )
+    ),
+    # Hits without prompt logprobs; with them, hits may not cost exactness.
+    "prefix_warm": Axis(
+        lambda m, make, ref: run_warm_cache(make, list(m.cases)), prompt_logprobs=False
+    ),
+    "prefix_warm_prompt_logprobs": Axis(
+        lambda m, make, ref: run_warm_cache(make, list(m.cases), prompt_logprobs=True)
+    ),
+    "preempt": Axis(
+        lambda m, make, ref: run_together(
+            make, list(m.cases), check=_preempted, **m.preempt
+        )
+    ),
+    "n4": Axis(lambda m, make, ref: run_together(make, list(m.cases), n=4)),
+    "torch_attention": Axis(
+        lambda m, make, ref: run_together(make, list(m.cases), attention_backend="torch")
+    ),
+    "grammar": Axis(_grammar),
+}
+# The default model is slower to load: the axes it runs.
+SMOLLM_AXES = (
+    "batch",
+    "chunked16",
+    "prefix_warm",
+    "prefix_warm_prompt_logprobs",
+    "preempt",
+    "n4",
+    "grammar",
+)
+
+_REFERENCES: dict[tuple[str, str], list[Answer]] = {}
+
+
+def reference(model: Model, mode: str) -> list[Answer]:
+    key = (model.name, mode)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_alone(model.factory(MODES[mode]), list(model.cases))
+    return _REFERENCES[key]
+
+
+def check_axis(model: Model, mode: str, axis: str) -> None:
+    ref = reference(model, mode)
+    spec = AXES[axis]
+    got = spec.run(model, model.factory(MODES[mode]), ref)
+    assert len(got) == len(ref)
+    for i, (choices, want) in enumerate(zip(got, ref)):
+        for j, answer in enumerate(choices):
+            where = f"{model.name}/{mode}/{axis} case {i} choice {j}"
+            assert_same(answer, want, where, prompt_logprobs=spec.prompt_logprobs)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("axis", list(AXES))
+def test_tiny(tiny: Model, mode: str, axis: str) -> None:
+    check_axis(tiny, mode, axis)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("axis", SMOLLM_AXES)
+def test_default_model(smollm: Model, mode: str, axis: str) -> None:
+    check_axis(smollm, mode, axis)
+
+
+def test_reference_is_not_degenerate(tiny: Model) -> None:
+    """The reference itself: distinct answers, real logprobs, prompt logprobs for
+    every prompt position but the first (so the axes compare something)."""
+    ref = reference(tiny, "exact")
+    assert len({tuple(a.token_ids) for a in ref}) > len(ref) // 2
+    for c, a in zip(tiny.cases, ref):
+        assert len(a.token_ids) == c.max_tokens and a.finish_reason == "length"
+        assert len(a.prompt_logprobs) == len(c.prompt) and a.prompt_logprobs[0] is None
+        assert all(p is not None and len(p.top) == TOP_K for p in a.prompt_logprobs[1:])
+        assert all(
+            lp.chosen.logprob <= 0 and lp.top[0].logprob >= lp.chosen.logprob - 1e-6
+            for lp in a.logprobs
+        )
+
+
+# ------------------------------------------------------------------ through the server
+
+
+@pytest.fixture(scope="module")
+def served_tiny(tiny: Model) -> Iterator[Any]:
+    from fastapi.testclient import TestClient
+
+    from engine.async_engine import AsyncEngine
+    from server.app import build_app
+    from server.config import ServerConfig
+
+    cfg = EngineConfig(**{**tiny.base, **EXACT})
+    app = build_app(AsyncEngine(cfg), ServerConfig())
+    with TestClient(app) as client:
+        yield client
+
+
+def _sse(resp: Any) -> list[dict[str, Any]]:
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[len("data: ") :]))
+    return events
+
+
+def test_server_axes(tiny: Model, served_tiny: Any) -> None:
+    """/v1/completions with token-id prompts, echo and logprobs, streamed and not:
+    the engine reference's text, logprobs and prompt logprobs, through JSON."""
+    ref = reference(tiny, "exact")
+    client = served_tiny
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    for i, (case, want) in enumerate(zip(tiny.cases[:6], ref[:6])):
+        body = {
+            "model": model,
+            "prompt": list(case.prompt),
+            "max_tokens": case.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": TOP_K,
+            "echo": True,
+        }
+        plain = client.post("/v1/completions", json=body)
+        assert plain.status_code == 200, plain.text
+        choice = plain.json()["choices"][0]
+        lp = choice["logprobs"]
+        n_prompt = len(case.prompt)
+        # echo: prompt positions first (the first has no logprob), then the output.
+        assert lp["token_logprobs"][0] is None
+        for k in range(1, n_prompt):
+            w = want.prompt_logprobs[k]
+            assert w is not None
+            assert abs(lp["token_logprobs"][k] - w.chosen.logprob) <= 1e-4, (i, k)
+        out_lps = lp["token_logprobs"][n_prompt:]
+        assert len(out_lps) == len(want.logprobs)
+        for g, w in zip(out_lps, want.logprobs):
+            assert abs(g - w.chosen.logprob) <= 1e-4, i
+        assert choice["text"].endswith(want.text)
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            events = _sse(r)
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        streamed = [
+            x
+            for e in events
+            if e["choices"] and e["choices"][0].get("logprobs")
+            for x in e["choices"][0]["logprobs"]["token_logprobs"]
+        ]
+        assert text == choice["text"], i
+        assert streamed == lp["token_logprobs"], i
+
+
+def test_server_chat_stream_matches_non_stream(served_tiny: Any) -> None:
+    client = served_tiny
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Count: one, two, three"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": TOP_K,
+    }
+    plain = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = _sse(r)
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    lps = [
+        x
+        for e in events
+        if e["choices"] and e["choices"][0].get("logprobs")
+        for x in e["choices"][0]["logprobs"]["content"]
+    ]
+    assert content == plain["message"]["content"]
+    want = plain["logprobs"]["content"]
+    assert len(lps) == len(want) == 12
+    for g, w in zip(lps, want):
+        assert g["token"] == w["token"] and g["bytes"] == w["bytes"]
+        assert abs(g["logprob"] - w["logprob"]) <= 1e-4
+        assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
+
+
+def test_model_path_exists() -> None:
+    assert Path(default_gguf_path()).is_file()
