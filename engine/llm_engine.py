@@ -293,7 +293,8 @@ class LLMEngine:
         limit = min(
             cfg.max_num_batched_tokens, max(cfg.max_num_seqs, 1) * (1 + spec.num_speculative_tokens)
         )
-        sizes = [n for n in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257) if n <= limit] or [1]
+        grid = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
+        sizes = [n for n in grid if n <= limit] or [1]
         t0 = time.perf_counter()
         target = measure_step_cost(self.runner, sizes, self.kv.num_blocks, cfg.block_size)
         draft_cost = None
@@ -515,7 +516,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         try:
             draft_probs = spec.propose(sched.scheduled, self._grammar_mask) if spec else None
+            t_target = time.perf_counter()
             result = self.runner.execute(sched.scheduled, self._grammar_mask, draft_probs)
+            t_target = time.perf_counter() - t_target
         except Exception:
             logger.exception("model step failed; ending the requests in it")
             return self._fail(sched.scheduled)
@@ -525,7 +528,7 @@ class LLMEngine:
         rolled_back = spec.rolled_back(sched.scheduled, accepted) if spec else None
         self.scheduler.update_after_step(sched, rolled_back)
         if spec is not None:
-            spec.observe(sched.scheduled, accepted)
+            spec.observe(sched.scheduled, accepted, t_target)
         now = self.clock()
         if self.tracer.enabled:
             self._trace_step(sched, dt, result)

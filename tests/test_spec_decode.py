@@ -313,9 +313,15 @@ def flat_then_linear(knee: int, base: float, per_token: float) -> StepCostModel:
 
 def test_cost_model_interpolates_and_never_decreases() -> None:
     m = StepCostModel([(1, 1.0), (5, 1.0), (9, 3.0), (17, 2.0)])
-    assert m(1) == 1.0 and m(3) == 1.0 and m(7) == 2.0
-    assert m(17) == 3.0 and m(100) == 3.0  # the noisy dip is flattened
+    # The noisy dip at 17 is pooled with 9 (least-squares monotone fit): 2.5 both.
+    assert m(1) == 1.0 and m(3) == 1.0 and m(7) == 1.75
+    assert m(9) == m(17) == m(100) == 2.5
     assert StepCostModel([(4, 2.0)])(8) == 4.0  # one point: proportional beyond it
+    # Observed steps move their point (an exponential average), others stay.
+    m = StepCostModel([(1, 1.0), (4, 1.0), (8, 2.0)], alpha=0.5)
+    m.observe(4, 3.0)
+    m.observe(5, 9.0)  # not a measured size: ignored
+    assert m(4) == m(8) == 2.0 and m(1) == 1.0
 
 
 def test_adaptive_rule_drafts_when_cheap_and_stops_in_large_batches() -> None:

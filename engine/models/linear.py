@@ -1,11 +1,17 @@
 """CPU linears: oneDNN-prepacked fp32, dynamic int8 (fbgemm), block-quantized (native).
 
 On this project's CPUs (AVX2, no AVX-512) torch's default fp32 GEMM (MKL) is
-slow for the small row counts of decode steps; oneDNN with a weight prepacked
-for its kernels is faster from about 8 rows up but slower for 1-4 rows. So
-each packed linear keeps the plain weight too and picks per call by row
-count. Memory for weights doubles (the packed copy); only one copy is read
-per call. Measured by ``benchmarks/cpu_step_bench.py`` (docs/benchmarks/cpu.md).
+slow for the small row counts of decode steps: at 2-8 rows it cost 2.5-3.5x
+its one-row GEMV, while oneDNN with a weight prepacked for its kernels costs
+about the same for 1-5 rows as MKL's one row (SmolLM2-135M's linears, one
+thread; docs/benchmarks/spec-decode.md). So each packed linear keeps the
+plain weight too and picks per call by row count: one row (a lone decode)
+on torch's GEMV, two or more (batched decodes, speculative verification
+chunks of 1 + k rows, prefill) on oneDNN. The threshold was 8 rows before
+speculation made 2-8-row steps common; ``benchmarks/spec_step_bench.py
+--min-rows 8,2`` compares the two. Memory for weights doubles (the packed
+copy); only one copy is read per call. See also ``benchmarks/cpu_step_bench.py``
+(docs/benchmarks/cpu.md).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ def onednn_packing_available() -> bool:
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with W also prepacked for oneDNN (used when rows >= ``min_rows``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = 8) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = 2) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -38,7 +44,7 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 16)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, min_rows: int = 8) -> PackedLinear:
+    def from_linear(cls, linear: nn.Linear, min_rows: int = 2) -> PackedLinear:
         return cls(linear.weight, linear.bias, min_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +56,7 @@ class PackedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module, min_rows: int = 8) -> int:
+def pack_linears(model: nn.Module, min_rows: int = 2) -> int:
     """Replace every float32 ``nn.Linear`` under ``model`` by a PackedLinear; returns the count."""
     count = 0
     for name, child in list(model.named_children()):

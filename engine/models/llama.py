@@ -302,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
         self.logits_linear = BlockQuantLinear(weight, None, kernels, Q8_0)
         return n + 1
 
-    def pack_for_cpu(self, min_rows: int = 8) -> int:
+    def pack_for_cpu(self, min_rows: int = 2) -> int:
         """Prepack every linear (and the logits projection) for oneDNN; see engine/models/linear.py."""
         from engine.models.linear import PackedLinear, pack_linears
 

@@ -53,4 +53,4 @@ def measure_step_cost(
         assert batch is not None
         runner.execute(batch)
 
-    return StepCostModel.measure(run, usable)
+    return StepCostModel.measure(run, usable, rounds=3)

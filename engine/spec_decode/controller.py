@@ -30,6 +30,7 @@ CPU are in docs/benchmarks/spec-decode.md.
 from __future__ import annotations
 
 import bisect
+import statistics
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -44,27 +45,54 @@ DECAY = 0.9
 IDLE_DECAY = 0.95
 
 
+def _monotone(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in least squares (pool
+    adjacent violators): a noisy point is averaged with its neighbours instead of
+    raising everything after it."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    out: list[float] = []
+    for total, count in blocks:
+        out.extend([total / count] * int(count))
+    return out
+
+
 @dataclass
 class StepCostModel:
     """Seconds of one forward over ``n`` tokens, interpolated from measured points.
 
-    ``points`` are ``(n, seconds)`` with increasing ``n``; the cost is
-    piecewise linear between them, extended past the last point with the last
-    slope, and never decreasing (a noisy measurement cannot make more tokens
-    cheaper).
+    ``points`` are ``(n, seconds)``; the cost is piecewise linear between them,
+    extended past the last point with the last slope, and made non-decreasing
+    (a noisy measurement cannot make more tokens cheaper). ``observe`` folds
+    the engine's real step times into the point of that size (an exponential
+    average), so the table follows the machine's load after start-up.
     """
 
     points: list[tuple[int, float]]
+    alpha: float = 0.05  # weight of one observed step
 
     def __post_init__(self) -> None:
         if not self.points:
             raise ValueError("a cost model needs at least one measured point")
-        self.points = sorted(self.points)
-        mono: list[tuple[int, float]] = []
-        for n, t in self.points:
-            mono.append((n, max(t, mono[-1][1]) if mono else t))
-        self.points = mono
-        self._ns = [n for n, _ in self.points]
+        self._raw = dict(sorted(self.points))
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        ns = sorted(self._raw)
+        self._ns = ns
+        self.points = list(zip(ns, _monotone([self._raw[n] for n in ns])))
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A measured step of ``n`` tokens (ignored for sizes the table does not hold)."""
+        old = self._raw.get(n)
+        if old is not None and seconds > 0:
+            self._raw[n] = old + self.alpha * (seconds - old)
+            self._rebuild()
 
     def __call__(self, n: int) -> float:
         pts = self.points
@@ -82,19 +110,20 @@ class StepCostModel:
 
     @classmethod
     def measure(
-        cls, run: Callable[[int], None], sizes: Sequence[int], repeats: int = 3
+        cls, run: Callable[[int], None], sizes: Sequence[int], rounds: int = 5
     ) -> StepCostModel:
-        """Time ``run(n)`` for each size (best of ``repeats``, after one warm-up)."""
-        points = []
+        """Time ``run(n)`` for each size: the median of ``rounds`` rounds that each go
+        through every size once (after a warm-up round), so that a burst of load
+        from elsewhere lands on different sizes in different rounds."""
         for n in sizes:
             run(n)
-            best = float("inf")
-            for _ in range(repeats):
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        for _ in range(rounds):
+            for n in sizes:
                 t0 = time.perf_counter()
                 run(n)
-                best = min(best, time.perf_counter() - t0)
-            points.append((n, best))
-        return cls(points)
+                times[n].append(time.perf_counter() - t0)
+        return cls([(n, statistics.median(ts)) for n, ts in times.items()])
 
 
 @dataclass
@@ -116,6 +145,10 @@ class DraftPolicy(ABC):
     @abstractmethod
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verification: ``num_accepted`` of ``num_drafts`` drafts were accepted."""
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The target's forward over ``num_tokens`` tokens took ``seconds``."""
+        return None
 
     @abstractmethod
     def end_step(self) -> None:
@@ -210,6 +243,10 @@ class AdaptiveDraftPolicy(DraftPolicy):
         acc.accepted = DECAY * acc.accepted + num_accepted
         acc.tried = DECAY * acc.tried + num_accepted + (1 if num_accepted < num_drafts else 0)
         acc.seen = True
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The target's forward over ``num_tokens`` tokens took ``seconds``."""
+        self.target_cost.observe(num_tokens, seconds)
 
     def end_step(self) -> None:
         for acc in self._acc.values():

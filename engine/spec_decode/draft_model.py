@@ -191,8 +191,8 @@ class DraftModelProposer(Proposer):
                 hidden, _ = self._forward(batch)
                 self.model.compute_logits(hidden)
 
-        sync = StepCostModel.measure(run_sync, sync_sizes or [1])
-        per_row = StepCostModel.measure(run_rows, row_sizes or [1])
+        sync = StepCostModel.measure(run_sync, sync_sizes or [1], rounds=3)
+        per_row = StepCostModel.measure(run_rows, row_sizes or [1], rounds=3)
 
         def cost(num_base_tokens: int, depth_rows: list[int]) -> float:
             # Forward 1 runs every step; each deeper depth with drafts is one forward.

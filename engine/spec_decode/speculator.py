@@ -111,8 +111,16 @@ class Speculator:
             out[s.req.request_id] = k - self.proposer.num_computed_drafts(k, j)
         return out
 
-    def observe(self, batch: Sequence[ScheduledRequest], accepted: Mapping[str, int]) -> None:
-        """Count the step's verifications; the step's lookahead requests are spent."""
+    def observe(
+        self,
+        batch: Sequence[ScheduledRequest],
+        accepted: Mapping[str, int],
+        target_seconds: float | None = None,
+    ) -> None:
+        """Count the step's verifications (and feed the target forward's time to the
+        policy's cost table); the step's lookahead requests are spent."""
+        if target_seconds is not None:
+            self.policy.observe_step(sum(s.num_new_tokens for s in batch), target_seconds)
         st = self.stats
         for s in batch:
             s.req.num_lookahead_tokens = 0
