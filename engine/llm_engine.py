@@ -317,7 +317,15 @@ class LLMEngine:
             f"kv_blocks={i.num_blocks} block_size={i.block_size} "
             f"kv_tokens={i.num_blocks * i.block_size} max_model_len={i.max_model_len} "
             f"attention={self.model_backend_name()}"
+            + (f" speculation={self._describe_speculation()}" if self.speculator else "")
         )
+
+    def _describe_speculation(self) -> str:
+        spec = self.config.speculative
+        assert spec is not None
+        what = spec.method if spec.method == "ngram" else (spec.model or "self-draft")
+        quant = f",{spec.quantization}" if spec.quantization else ""
+        return f"{what}(k={spec.num_speculative_tokens}{quant},adaptive={spec.adaptive})"
 
     def _capture_decode_graphs(self, max_len: int) -> None:
         """CUDA graphs for decode-only steps (engine/worker/cuda_graphs.py), when the backend allows."""

@@ -260,7 +260,7 @@ def test_metrics_and_traces_count_drafts(dirs: dict[str, Path]) -> None:
     assert st.spec_decode_accepted_tokens == st.spec_decode_draft_tokens > 0
     assert sum(st.spec_decode_accepted_per_pos) == st.spec_decode_accepted_tokens
     assert st.spec_decode_accepted_per_pos[0] == st.spec_decode_num_drafts
-    trace = eng.get_trace("p0")
+    trace = eng.get_trace(["p0"])
     assert trace is not None
     steps = [e for e in trace.events if isinstance(e, DecodeStep)]
     assert sum(e.num_accepted_tokens for e in steps) > 0
