@@ -157,13 +157,7 @@ class LLMEngine:
         )
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(max_len)
-        self.speculator: Speculator | None = None
-        if proposer is not None:
-            proposer.allocate_cache(num_blocks, config.block_size)
-            assert config.speculative is not None
-            self.speculator = Speculator(
-                config.speculative, proposer, self._draft_policy(proposer, max_len)
-            )
+        self.speculator = self._speculator(proposer, num_blocks, max_len)
         # The served name: what the user passed (as vLLM does), or the default model's name.
         name = config.model if config.model is not None else DEFAULT_MODEL_NAME
         self.info = EngineInfo(path, name, device, dtype, num_blocks, config.block_size, max_len)
@@ -282,6 +276,16 @@ class LLMEngine:
         return DraftModelProposer.load(
             spec, path, self.model_config, draft_backend, dtype, device, kv_dtype, max_len
         )
+
+    def _speculator(
+        self, proposer: Proposer | None, num_blocks: int, max_len: int
+    ) -> Speculator | None:
+        if proposer is None:
+            return None
+        assert self.config.speculative is not None
+        proposer.allocate_cache(num_blocks, self.config.block_size)
+        policy = self._draft_policy(proposer, max_len)
+        return Speculator(self.config.speculative, proposer, policy)
 
     def _draft_policy(self, proposer: Proposer, max_len: int) -> DraftPolicy:
         """The adaptive rule over cost tables measured now (engine/spec_decode/controller.py)."""

@@ -157,6 +157,29 @@ def _acceptance(
     return out
 
 
+def _draw_residuals(
+    outputs: list[VerifyOutput],
+    residual_rows: list[tuple[int, int, int]],
+    items: Sequence[VerifyRequest],
+    probs: torch.Tensor,
+    noise: torch.Tensor,
+    s_rows: list[int],
+) -> None:
+    """Replace the emitted token of each rejected draft with a distribution by a draw
+    from the normalised residual ``max(p - q, 0)`` of its row (same noise vector)."""
+    device = probs.device
+    s_pos = {i: m for m, i in enumerate(s_rows)}
+    sp = torch.tensor([s_pos[row] for _, row, _ in residual_rows], device=device)
+    p = probs[sp] / probs[sp].sum(dim=-1, keepdim=True)
+    q = torch.stack([_draft_probs(items[n])[j] for n, _, j in residual_rows]).to(device)
+    residual = (p - q).clamp_min(0.0)
+    # p == q leaves no residual, but then rejection cannot happen: keep p.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+    drawn = (residual / noise[sp]).argmax(dim=-1).tolist()
+    for (n, _, _), tok in zip(residual_rows, drawn):
+        outputs[n].token_ids[-1] = tok
+
+
 def verify(
     logits: torch.Tensor,
     items: Sequence[VerifyRequest],
@@ -218,16 +241,7 @@ def verify(
         emitted_rows.extend(range(r0, r0 + j + 1))
     if residual_rows:
         assert probs is not None and noise is not None
-        s_pos = {i: m for m, i in enumerate(s_rows)}
-        sp = torch.tensor([s_pos[row] for _, row, _ in residual_rows], device=device)
-        p = probs[sp] / probs[sp].sum(dim=-1, keepdim=True)
-        q = torch.stack([_draft_probs(items[n])[j] for n, _, j in residual_rows]).to(device)
-        residual = (p - q).clamp_min(0.0)
-        # p == q leaves no residual, but then rejection cannot happen: keep p.
-        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
-        drawn = (residual / noise[sp]).argmax(dim=-1).tolist()
-        for (n, _, _), tok in zip(residual_rows, drawn):
-            outputs[n].token_ids[-1] = tok
+        _draw_residuals(outputs, residual_rows, items, probs, noise, s_rows)
     for out in outputs:
         emitted_tokens.extend(out.token_ids)
     if raw is not None:

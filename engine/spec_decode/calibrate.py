@@ -21,35 +21,51 @@ CONTEXT = 16
 
 
 def fake_chunks(
-    num_seqs: int, tokens_each: int, num_blocks: int, block_size: int, context: int = CONTEXT
+    num_seqs: int,
+    tokens_each: int,
+    num_blocks: int,
+    block_size: int,
+    context: int = CONTEXT,
+    verification: bool = False,
 ) -> list[ScheduledRequest] | None:
     """``num_seqs`` sequences computing ``tokens_each`` tokens after ``context`` cached
-    ones, on distinct blocks from 0 up (None when the cache is too small)."""
+    ones, on distinct blocks from 0 up (None when the cache is too small).
+
+    ``verification``: each chunk is its last token plus ``tokens_each - 1`` drafts,
+    so every row is verified (logits and sampling for all of them), as in a
+    speculative step; otherwise only the last row samples."""
     per = -(-(context + tokens_each) // block_size)
     if per * num_seqs > num_blocks:
         return None
+    drafts = tokens_each - 1 if verification else 0
     out = []
     for i in range(num_seqs):
+        known = context + tokens_each - drafts
         req = Request(
             f"calibrate-{i}",
             "calibrate",
             0,
-            [(7 * j + i) % 17 for j in range(context + tokens_each)],  # in any vocabulary
+            [(7 * j + i) % 17 for j in range(known)],  # in any vocabulary
             SamplingParams(temperature=0.0),
         )
         req.block_ids = list(range(i * per, (i + 1) * per))
-        out.append(ScheduledRequest(req, tokens_each, context))
+        s = ScheduledRequest(req, tokens_each, context)
+        if drafts:
+            s.num_draft_tokens = s.num_lookahead_slots = drafts
+            s.set_drafts([(5 * j) % 17 for j in range(drafts)])
+        out.append(s)
     return out
 
 
 def measure_step_cost(
     runner: ModelRunner, sizes: Sequence[int], num_blocks: int, block_size: int
 ) -> StepCostModel:
-    """``T(n)``: one target step verifying one chunk of ``n`` tokens (``runner.execute``)."""
+    """``T(n)``: one target step verifying ``n - 1`` drafts of one sequence
+    (``runner.execute``): the linears, logits and verification of ``n`` rows."""
     usable = [n for n in sizes if fake_chunks(1, n, num_blocks, block_size) is not None] or [1]
 
     def run(n: int) -> None:
-        batch = fake_chunks(1, n, num_blocks, block_size)
+        batch = fake_chunks(1, n, num_blocks, block_size, verification=True)
         assert batch is not None
         runner.execute(batch)
 
