@@ -458,3 +458,57 @@ def test_rollback_simulation_exercises_rollbacks() -> None:
     # and positions are rolled back, with and without the draft model's lag.
     assert simulate_rollbacks(1, 40, 4, 24, lag=False) > 20
     assert simulate_rollbacks(1, 40, 4, 24, lag=True) > 20
+
+
+# ------------------------------------------------------------------ the planner
+
+
+def test_plan_caps_drafts_and_skips_non_decoding_requests() -> None:
+    from engine.spec_decode.controller import FixedDraftPolicy
+    from engine.spec_decode.ngram import NgramProposer
+    from engine.spec_decode.speculator import Speculator
+
+    spec = parse_speculative_config(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2,
+            "adaptive": False,
+            "disable_by_batch_size": 5,
+        }
+    )
+    assert spec is not None
+
+    def decoding(rid: str, max_tokens: int, out: int = 3, max_len: int = 1000) -> Request:
+        r = Request(
+            rid,
+            rid,
+            0,
+            [1, 2, 3, 1, 2, 3, 1, 2],
+            SamplingParams(max_tokens=max_tokens),
+            max_model_len=max_len,
+        )
+        for t in [3, 1, 2][:out]:
+            r.append_output(t)
+        r.num_computed_tokens = r.num_tokens - 1
+        return r
+
+    sp = Speculator(spec, NgramProposer(1, 2), FixedDraftPolicy())
+    free = decoding("free", 100)
+    near_end = decoding("end", 5)  # 3 of 5 out: one more step emits at most 2
+    tight = decoding("len", 100, max_len=13)  # 11 tokens, 13 max: 1 draft fits
+    prefill = Request("p", "p", 0, [1, 2, 3, 1, 2], SamplingParams(max_tokens=9))
+    sp.plan([free, near_end, tight, prefill], budget=64)
+    # free: "1 2" last occurred ending at 8, followed by only 3 known tokens.
+    assert [r.num_lookahead_tokens for r in (free, near_end, tight, prefill)] == [3, 1, 1, 0]
+    # The lookup had fewer continuation tokens than asked: only what it found.
+    short = Request("s", "s", 0, [5, 6, 7, 8, 7], SamplingParams(max_tokens=50))
+    short.append_output(8)
+    short.num_computed_tokens = short.num_tokens - 1
+    sp.plan([short], budget=64)
+    # "7 8" last occurred at 2..3, followed by only "7 8" (2 tokens, 4 asked).
+    assert short.num_lookahead_tokens == 2
+    # disable_by_batch_size: 5 running requests turn drafting off for the step.
+    sp.plan([free, near_end, tight, prefill, decoding("x", 100)], budget=64)
+    assert free.num_lookahead_tokens == 0
