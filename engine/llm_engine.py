@@ -25,7 +25,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv.block_pool import KVBlock
 from engine.kv.builder import build_hierarchy
-from engine.kv.format import PlainKVFormat
+from engine.kv.format import GroupedKVFormat, KVFormat, PlainKVFormat
 from engine.kv.hierarchy import KVHierarchy
 from engine.kv.manager import KVCacheManager
 from engine.kv.transfer import KVTransferExecutor
@@ -219,7 +219,9 @@ class LLMEngine:
         num_blocks = self._num_blocks(
             device, kv_dtype, max_len, proposer.kv_bytes_per_token() if proposer else 0
         )
-        hierarchy = self._build_kv(num_blocks, max_len, device, dtype, kv_dtype, path, backend.name)
+        hierarchy = self._build_kv(
+            num_blocks, max_len, device, dtype, kv_dtype, path, backend.name, proposer
+        )
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(max_len)
         decode_step = self._enable_native_decode(device)
@@ -271,13 +273,23 @@ class LLMEngine:
         kv_dtype: torch.dtype,
         model_path: Path,
         backend_name: str,
+        proposer: Proposer | None,
     ) -> KVHierarchy | None:
         """The KV format, the tiers below the device pool, the KV manager, the
-        scheduler, the runner (which owns the caches) and the tier copier."""
+        scheduler, the runner (which owns the caches), the draft's cache and the
+        tier copier.
+
+        A draft model's cache is its own layer group in the same block ids: the
+        tiers see one grouped format (target layers, then draft layers), so a
+        block demoted, swapped or read back from disk carries both."""
         cfg = self.config
         mc = self.model_config
         kv_format = PlainKVFormat(
             mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
+        )
+        draft_format = proposer.kv_format(cfg.block_size) if proposer is not None else None
+        tier_format: KVFormat = (
+            kv_format if draft_format is None else GroupedKVFormat([kv_format, draft_format])
         )
         # What else makes a block's bytes what they are (the disk fingerprint).
         numerics = {
@@ -286,7 +298,10 @@ class LLMEngine:
             "cpu_linear": self.linear_strategy.name,
             "attention": backend_name,
         }
-        hierarchy = build_hierarchy(cfg, kv_format, device, model_path, numerics)
+        if cfg.speculative is not None and draft_format is not None:
+            sp = cfg.speculative
+            numerics["draft"] = f"{sp.model or 'self'}:{sp.quantization}"
+        hierarchy = build_hierarchy(cfg, tier_format, device, model_path, numerics)
         self.kv = KVCacheManager(
             num_blocks, cfg.block_size, cfg.enable_prefix_caching, hierarchy=hierarchy
         )
@@ -303,9 +318,13 @@ class LLMEngine:
             cfg.moe_capacity_factor,
             kv_format,
         )
+        caches = list(self.runner.kv_caches)
+        if proposer is not None:
+            proposer.allocate_cache(num_blocks, cfg.block_size)
+            caches += proposer.cache_tensors()
         self.transfers: KVTransferExecutor | None = None
         if hierarchy is not None:
-            self.transfers = KVTransferExecutor(kv_format, self.runner.kv_caches, hierarchy, device)
+            self.transfers = KVTransferExecutor(tier_format, caches, hierarchy, device)
         return hierarchy
 
     def _enable_native_decode(self, device: torch.device) -> str:
@@ -412,7 +431,6 @@ class LLMEngine:
         if proposer is None:
             return None
         assert self.config.speculative is not None
-        proposer.allocate_cache(num_blocks, self.config.block_size)
         policy = self._draft_policy(proposer, max_len)
         return Speculator(self.config.speculative, proposer, policy)
 

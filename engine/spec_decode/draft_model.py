@@ -38,6 +38,7 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.attention.cpu_backend import CpuNativeAttentionBackend
+from engine.kv.format import KVFormat, LayerCaches, PlainKVFormat
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model, load_model_config, resolve_model_path
 from engine.models.ops import NativeCpuModelOps
@@ -168,17 +169,18 @@ class DraftModelProposer(Proposer):
     def kv_bytes_per_token(self) -> int:
         return self.model_config.kv_bytes_per_token(self.kv_dtype)
 
-    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+    def kv_format(self, block_size: int) -> KVFormat:
         mc = self.model_config
-        shape = (num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
+        return PlainKVFormat(
+            mc.num_hidden_layers, block_size, mc.num_key_value_heads, mc.head_dim, self.kv_dtype
+        )
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-            )
-            for _ in range(mc.num_hidden_layers)
-        ]
+        self.kv_caches = self.kv_format(block_size).allocate(num_blocks, self.device)
+
+    def cache_tensors(self) -> LayerCaches:
+        return self.kv_caches
 
     def drafting_cost_model(
         self, sizes: Sequence[int], rows: Sequence[int], num_blocks: int

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv.format import KVFormat, LayerCaches
 from engine.request import Request
 from engine.sampling.rejection import RowMaskFactory
 from engine.scheduler import ScheduledRequest
@@ -72,6 +73,16 @@ class Proposer(ABC):
         """KV cache bytes per token of the proposer's own cache (0: none)."""
         return 0
 
+    def kv_format(self, block_size: int) -> KVFormat | None:
+        """The layout of the proposer's own cache (None: it has none). The engine
+        groups it with the target's (engine/kv/format.py ``GroupedKVFormat``), so
+        the KV tiers move the draft's blocks with the target's."""
+        return None
+
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the proposer's cache for the engine's block count (if it has one)."""
         return None
+
+    def cache_tensors(self) -> LayerCaches:
+        """The proposer's per-layer caches, in ``kv_format``'s layout (empty: none)."""
+        return []
