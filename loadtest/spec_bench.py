@@ -200,7 +200,7 @@ def report(results: list[Cell], configs: list[str], argv: list[str], extra: list
         f"Command: `python -m loadtest.spec_bench {' '.join(argv)}`",
         "",
         "Server flags common to all configurations: "
-        + (f"`{' '.join(extra)}`" if extra else "none (the defaults: exact float32)")
+        + (f"`{' '.join(extra)}`" if extra else "none (the server defaults)")
         + ". Streaming chat, temperature 0. Acceptance: accepted drafts / drafts verified; "
         "per position: verifications whose i-th draft was accepted / verifications with "
         "drafts; load: /proc/loadavg (1, 5, 15 min) before -> after the cell.",
