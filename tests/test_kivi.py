@@ -78,10 +78,6 @@ def test_layout_refuses_bad_shapes() -> None:
         KiviLayout(3, 4, 4, 8, 2, 16)
 
 
-def _schedule(sim: KiviSim, plan: list[list[tuple[int, int]]]) -> list:
-    return plan
-
-
 def _run(backend: TorchAttentionBackend, sim: KiviSim, plan: list[list[tuple[int, int]]]) -> None:
     """Run the steps through ``backend`` and check each against the dense reference."""
     for chunks in plan:
