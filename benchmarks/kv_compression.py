@@ -19,6 +19,7 @@ on the default model with ``--linear`` linears and one block size for all:
 Usage::
 
     python -m benchmarks.kv_compression --json /tmp/kv.json
+    python -m benchmarks.kv_compression --render /tmp/kv.json   # the tables again
 """
 
 from __future__ import annotations
@@ -181,7 +182,42 @@ def speed(kvs: list[str], args: argparse.Namespace) -> dict[str, dict[str, float
     }
 
 
+def render(result: dict[str, Any]) -> str:
+    """The markdown tables of a result (``--render JSON`` prints them)."""
+    rows = result["quality"]
+    ref = rows[0] if rows else None
+    lines = [
+        "| KV format | perplexity | vs float32 | identical greedy answers | token agreement "
+        "| KV bytes/token | KV tokens | capacity vs float32 | RSS at start-up (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        assert ref is not None
+        lines.append(
+            f"| {r['kv']} | {r['perplexity']:.3f} | {100 * (r['perplexity'] / ref['perplexity'] - 1):+.2f}% "
+            f"| {r['identical_answers']}/{r['prompts']} | {100 * r['token_agreement']:.1f}% "
+            f"| {r['kv_bytes_per_token']:.0f} | {r['kv_tokens']} "
+            f"| {r['kv_tokens'] / ref['kv_tokens']:.2f}x | {result['rss_mib'].get(r['kv'], 0):.0f} |"
+        )
+    sp = result["speed"]
+    base = next(iter(sp.values()))["median"]
+    lines += [
+        "",
+        "| KV format (decode path) | decode tok/s, median | runs | vs first |",
+        "|---|---|---|---|",
+    ]
+    for kv, v in sp.items():
+        runs = ", ".join(f"{x:.2f}" for x in v["runs"])
+        lines.append(
+            f"| {kv} ({v['decode_step']}) | {v['median']:.2f} | {runs} | {v['median'] / base:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--render":
+        print(render(json.loads(Path(sys.argv[2]).read_text())))
+        return 0
     args = parse(argv)
     kvs = args.configs.split(",")
     print(f"threads={torch.get_num_threads()} load={os.getloadavg()}", flush=True)
@@ -201,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=1, default=str))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str))
+    print(render(result))
     return 0
 
 
