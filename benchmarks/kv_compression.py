@@ -117,6 +117,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--rss-kv", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -200,6 +201,8 @@ def render(result: dict[str, Any]) -> str:
             f"| {r['kv_tokens'] / ref['kv_tokens']:.2f}x | {result['rss_mib'].get(r['kv'], 0):.0f} |"
         )
     sp = result["speed"]
+    if not sp:
+        return "\n".join(lines)
     base = next(iter(sp.values()))["median"]
     lines += [
         "",
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     print("rss MiB", rss, flush=True)
     rows = [] if args.skip_quality else quality(kvs, args)
     load_mid = os.getloadavg()
-    sp = speed(args.speed_configs.split(","), args)
+    sp = {} if args.skip_speed else speed(args.speed_configs.split(","), args)
     result = {
         "args": vars(args) | {"json": str(args.json)},
         "quality": rows,
