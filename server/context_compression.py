@@ -119,8 +119,13 @@ def message_text(message: JsonObject) -> str:
             if isinstance(part, dict) and isinstance(part.get("text"), str):
                 parts.append(str(part["text"]))
     calls = message.get("tool_calls")
-    if calls:
-        parts.append(json.dumps(calls, ensure_ascii=False))
+    for call in calls if isinstance(calls, list) else []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            # The name and arguments, not the envelope every call shares ("id", "type"...).
+            args = fn.get("arguments")
+            parts.append(str(fn.get("name", "")))
+            parts.append(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
     return "\n".join(parts)
 
 

@@ -8,6 +8,7 @@ on tiny tokenizers built here the spans are counted by hand.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,7 @@ def test_tool_calls_and_merged_tool_results(tok: Tokenizer) -> None:
     assert text[2] == f"<|im_start|>assistant\n{call}\n{call}<|im_end|>\n"
     assert text[3] == "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>"
     assert text[4] == "\n<tool_response>\nrain\n</tool_response><|im_end|>\n"
-    assert all(a.end == b.start for a, b in zip(segments, segments[1:], strict=False))
+    assert all(a.end == b.start for a, b in itertools.pairwise(segments))
 
 
 def test_continue_final_message_ends_the_last_span(tok: Tokenizer) -> None:
