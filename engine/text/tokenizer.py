@@ -531,7 +531,11 @@ class Tokenizer:
         template_kwargs: dict[str, Any] | None,
         escaper: _Escaper,
         continue_final_message: bool = False,
+        prepared: bool = False,
     ) -> str:
+        """The rendered, still escaped, text. ``prepared``: ``messages`` come from
+        ``_prepare_messages`` with this ``escaper`` (copied, joined and escaped once
+        for many renders of their prefixes)."""
         source = chat_template if chat_template is not None else self._chat_template
         if source is None:
             raise ValueError("this model has no chat template; pass one (--chat-template)")
@@ -543,13 +547,7 @@ class Tokenizer:
             raise ValueError(
                 f"chat_template_kwargs may not set {bad}; allowed: {sorted(SAFE_TEMPLATE_KWARGS)}"
             )
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise ValueError("messages must be a list of objects")
-        msgs = [dict(m) for m in copy.deepcopy(messages)]
-        for m in msgs:
-            if "content" in m:
-                m["content"] = _content_text(m["content"])
-        msgs = escaper.escape(msgs)
+        msgs = messages if prepared else self._prepare_messages(messages, escaper)
         esc_tools = escaper.escape(tools) if tools else None
         if not self._template_uses_tools(source):
             msgs = _to_hermes(msgs, esc_tools)
@@ -577,6 +575,18 @@ class Tokenizer:
             # msgs[-1]["content"] is escaped like the rendered text, so it is found as is.
             text = _cut_after_final_message(text, msgs[-1].get("content"))
         return text
+
+    @staticmethod
+    def _prepare_messages(messages: list[dict[str, Any]], escaper: _Escaper) -> list[Any]:
+        """Private copies of ``messages`` with text-part content joined and escaped."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages must be a list of objects")
+        msgs = [dict(m) for m in copy.deepcopy(messages)]
+        for m in msgs:
+            if "content" in m:
+                m["content"] = _content_text(m["content"])
+        escaped: list[Any] = escaper.escape(msgs)
+        return escaped
 
     def _new_escaper(self, messages: Any, tools: Any) -> _Escaper:
         blob = repr(messages) + repr(tools)
@@ -634,15 +644,17 @@ class Tokenizer:
         starting a new turn; callers pass ``add_generation_prompt=False`` with it.
         Raises ``ValueError`` on any template error.
         """
-        ids, _ = self.apply_chat_template_segments(
+        escaper = self._new_escaper(messages, tools)
+        text = self._render(
             messages,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             chat_template=chat_template,
             template_kwargs=template_kwargs,
+            escaper=escaper,
             continue_final_message=continue_final_message,
         )
-        return ids
+        return self._tokenize_rendered(text, escaper)[0]
 
     def apply_chat_template_segments(
         self,
@@ -713,15 +725,17 @@ class Tokenizer:
         """Character offset in ``text`` where each message's rendering ends (None: unknown)."""
         bounds: list[int] = []
         last = 0
+        prepared = self._prepare_messages(messages, escaper)  # once, not per prefix
         for k in range(1, len(messages) + 1):
             try:
                 part = self._render(
-                    messages[:k],
+                    prepared[:k],
                     add_generation_prompt=False,
                     tools=tools,
                     chat_template=chat_template,
                     template_kwargs=template_kwargs,
                     escaper=escaper,
+                    prepared=True,
                 )
             except ValueError:
                 return None
