@@ -735,6 +735,9 @@ class LLMEngine:
         The copy has its own event list, so the caller may read it after the
         engine moves on. Call it on the engine thread (``AsyncEngine.get_trace``).
         """
+        if isinstance(request_ids, str):
+            # A str is a Sequence[str] of its characters: never what the caller meant.
+            raise TypeError("get_trace takes a sequence of request ids, not one str")
         if self.traces is None:
             return None
         for rid in request_ids:

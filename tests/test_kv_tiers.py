@@ -528,7 +528,7 @@ def test_engine_host_then_disk_after_restart(
     same(llm.generate(PROMPTS[:1], PARAMS), reference[:1])
     # The whole cacheable prompt came from disk: (22 - 1) // 4 blocks.
     assert fresh.kv.hits_by_tier["disk"] == 5 * BS
-    trace = fresh.get_trace(f"offline-{id(llm)}-0")
+    trace = fresh.get_trace([f"offline-{id(llm)}-0"])
     assert trace is not None
     hits = [e for e in trace.events if e.kind == "prefix_hit"]
     assert [(h.num_tokens, h.disk_tokens, h.host_tokens) for h in hits] == [(20, 20, 0)]
@@ -624,7 +624,7 @@ def test_engine_swap_matches_recompute(tiny_dir: Path, reference: list[Any], pre
     assert swap.scheduler.num_preemptions > 0
     assert swap.scheduler.num_swap_preemptions == swap.scheduler.num_preemptions
     assert swap.stats.kv_tiers.swap_ins == swap.stats.kv_tiers.swap_outs > 0
-    traces = [swap.get_trace(f"offline-{id(llm)}-{i}") for i in range(len(prompts))]
+    traces = [swap.get_trace([f"offline-{id(llm)}-{i}"]) for i in range(len(prompts))]
     modes = [e.mode for t in traces if t is not None for e in t.events if e.kind == "preempted"]
     assert len(modes) == swap.scheduler.num_preemptions and set(modes) == {"swap"}
     # Host tier too small for any victim: every preemption falls back to recompute.
