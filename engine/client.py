@@ -6,7 +6,8 @@ The engine's public surface, for the server and any other front end, is:
   and re-exports of what the client returns: ``EngineStats`` (with its
   ``MoeLayerStats``), ``RequestTrace``
   with its helpers, ``SAFE_TEMPLATE_KWARGS``);
-* ``engine.request.RequestOptions`` (per-request options beyond sampling);
+* ``engine.request.RequestOptions`` (per-request options beyond sampling) and its
+  ``Segment`` (a prompt's per-message token span);
 * ``engine.sampling.params`` (``SamplingParams``, ``StructuredOutputSpec``);
 * ``engine.outputs`` (``RequestOutput`` and its parts);
 * ``engine.errors`` (what ``generate`` raises, mapped to HTTP statuses by the server);

@@ -8,6 +8,7 @@ then content and call deltas from an incremental tool-call parser per choice).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 
 from fastapi import APIRouter, Request
@@ -39,6 +40,7 @@ from server.tools import (
 )
 
 router = APIRouter()
+logger = logging.getLogger("fuel_serve.server")
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -138,7 +140,14 @@ async def _compress_if_needed(
             continue_final_message=body.continue_final_message,
         )
 
-    return await compress(messages, prompt, max_len - need, render, engine.tokenizer.encode)
+    result = await compress(messages, prompt, max_len - need, render, engine.tokenizer.encode)
+    if result is not None:
+        logger.info(
+            "context compression dropped messages %s (%d prompt tokens)",
+            result.dropped,
+            result.dropped_tokens,
+        )
+    return result
 
 
 class ChatFormat(ChoiceFormat):
