@@ -79,10 +79,24 @@ async def render_chat_prompt(
     kwargs: JsonObject | None,
     tools: list[JsonObject] | None = None,
     continue_final_message: bool = False,
+    with_segments: bool = True,
 ) -> ChatPrompt:
-    """``render_chat`` with each message's token span (``RequestOptions.segments``)."""
+    """``render_chat`` with each message's token span (``RequestOptions.segments``).
+
+    Spans cost one template render per message prefix (quadratic in the
+    conversation's length: docs/benchmarks/context-compression.md), so a caller
+    that needs none passes ``with_segments=False`` and gets ``segments=()``."""
 
     def run() -> ChatPrompt:
+        if not with_segments:
+            plain = engine.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                template_kwargs=kwargs,
+                continue_final_message=continue_final_message,
+            )
+            return ChatPrompt(list(plain), ())
         ids, segments = engine.tokenizer.apply_chat_template_segments(
             messages,
             add_generation_prompt=add_generation_prompt,

@@ -58,6 +58,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         kwargs,
         tools=offered,
         continue_final_message=body.continue_final_message,
+        with_segments=_wants_segments(state, body),
     )
     compression = await _compress_if_needed(engine, state, body, messages, prompt, offered, kwargs)
     if compression is not None:
@@ -108,6 +109,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     return await generation.answer(request, fmt)
 
 
+def _wants_segments(state: State, body: ChatCompletionRequest) -> bool:
+    """Whether the engine reads this request's segments (a KV policy that evicts
+    whole turns). Nothing does yet on this branch: the KV policies add it."""
+    return False
+
+
 async def _compress_if_needed(
     engine: EngineClient,
     state: State,
@@ -129,6 +136,16 @@ async def _compress_if_needed(
     if fits or not wants_compression(body.truncation, state.config.context_compression):
         return None
     need = requested if requested is not None else state.config.context_compression_reserve
+    if not prompt.segments:
+        # Selection prices turns by their spans: only a request being compressed pays for them.
+        prompt = await render_chat_prompt(
+            engine,
+            messages,
+            body.add_generation_prompt,
+            kwargs,
+            tools=tools,
+            continue_final_message=body.continue_final_message,
+        )
 
     async def render(subset: list[JsonObject]) -> ChatPrompt:
         return await render_chat_prompt(
