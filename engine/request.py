@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -20,6 +20,20 @@ from engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.kv.host_tier import HostEntry
+
+
+SegmentKind = Literal["system", "user", "assistant", "tool", "document"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A span of the prompt's token ids, ``[start, end)``, that came from one
+    message (``turn``: the message's index in the conversation)."""
+
+    start: int
+    end: int
+    kind: SegmentKind
+    turn: int
 
 
 @dataclass(frozen=True)
@@ -34,6 +48,9 @@ class RequestOptions:
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
     latency_budget_ms: float | None = None  # finish-by budget (admission and EDF)
     ttft_budget_ms: float | None = None  # first-token budget (admission)
+    # The prompt's per-message token spans, in order and disjoint (the chat
+    # template renderer fills it); empty when the prompt was not a rendered chat.
+    segments: tuple[Segment, ...] = ()
 
 
 class RequestStatus(enum.Enum):

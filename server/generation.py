@@ -488,6 +488,10 @@ class Generation:
     include_usage: bool
     created: int = 0
     cached: list[int] = field(default_factory=list)  # prefix-cache hits per prompt
+    # Extension fields merged into ``usage`` (e.g. ``context_compression``) and
+    # headers every response of this generation carries, streamed or not.
+    usage_extra: JsonObject = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def submit(
@@ -549,7 +553,10 @@ class Generation:
         }
 
     def _usage(self, completion_tokens: int) -> JsonObject:
-        return usage(sum(self.prompt_lens), completion_tokens, sum(self.cached))
+        return {
+            **usage(sum(self.prompt_lens), completion_tokens, sum(self.cached)),
+            **self.usage_extra,
+        }
 
     async def _deltas(self) -> AsyncIterator[tuple[int, CompletionDelta]]:
         """Every choice's deltas as they come, with the choice's response index."""
@@ -561,7 +568,9 @@ class Generation:
     # ----------------------------------------------------------- streamed
 
     def stream(self, fmt: ChoiceFormat) -> SSEResponse:
-        return SSEResponse(self._events(fmt))
+        response = SSEResponse(self._events(fmt))
+        response.headers.update(self.headers)
+        return response
 
     def _chunk(self, fmt: ChoiceFormat, choices: list[JsonObject]) -> JsonObject:
         data = self._envelope(fmt.chunk_object_name, choices)
@@ -597,7 +606,7 @@ class Generation:
     async def answer(self, request: Request, fmt: ChoiceFormat) -> JSONResponse:
         """The whole answer at once (the requests are aborted if the client leaves)."""
         body = await run_until_disconnect(request, self._collect(fmt), self.streams)
-        return JSONResponse(status_code=200, content=body)
+        return JSONResponse(status_code=200, content=body, headers=self.headers)
 
     async def _collect(self, fmt: ChoiceFormat) -> JsonObject:
         choices = {i: ChoiceState(i) for i in range(self.n * len(self.streams))}

@@ -331,6 +331,11 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    # OpenAI's Responses API field, accepted here as an extension: "auto" lets the
+    # server drop whole earlier turns of a conversation that exceeds the context
+    # (server/context_compression.py); "disabled" answers 400 instead; absent: the
+    # server's --context-compression.
+    truncation: Literal["auto", "disabled"] | None = None
     # Reasoning extensions (SGLang's separate_reasoning / stream_reasoning, vLLM's
     # include_reasoning) that routers send at their neutral values. No reasoning
     # parser runs here, so reasoning text is never split out of ``content``:
