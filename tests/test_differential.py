@@ -22,6 +22,9 @@ request runs alone (the reference, prefix cache off) or:
 - ``grammar``: under a regex that allows exactly the reference text;
 - ``per_layer_decode``: decode steps layer by layer instead of the fused
   native step (modes with block-quantized linears);
+- ``tp2``: on two tensor-parallel ranks (``--tensor-parallel-size 2``: heads,
+  KV heads, MLP and vocabulary split, one all-reduce per block half), each case
+  alone and then all of them batched, in one engine (one start of the ranks);
 - through the server (``test_server_axes``): /v1/completions streamed and not,
   with ``echo`` and prompt logprobs, and chat streamed against not streamed.
 
@@ -191,6 +194,27 @@ def _grammar(model: Model, make: EngineFactory, ref: list[Answer]) -> list[list[
     return run_together(make, list(model.cases), params=params)
 
 
+def _tensor_parallel(model: Model, make: EngineFactory, ref: list[Answer]) -> list[list[Answer]]:
+    """Two ranks: each case alone (prefix cache off, as the reference), then every
+    case in one batch, in the same engine; both answers are compared."""
+    eng = make(tensor_parallel_size=2, enable_prefix_caching=False)
+    try:
+        assert eng.tp is not None and eng.tp.group.world_size == 2
+        cases = list(model.cases)
+        alone = [
+            drive(eng, [Submission(f"a{i}", list(c.prompt), greedy_params(c))])[f"a{i}"][0]
+            for i, c in enumerate(cases)
+        ]
+        subs = [Submission(f"b{i}", list(c.prompt), greedy_params(c)) for i, c in enumerate(cases)]
+        steps = eng.stats.num_steps
+        batched = drive(eng, subs)
+        # Alone, each case takes at least max_tokens steps; batched they overlap.
+        assert eng.stats.num_steps - steps < sum(c.max_tokens for c in cases), "not batched"
+    finally:
+        eng.close()
+    return [[a, batched[f"b{i}"][0]] for i, a in enumerate(alone)]
+
+
 AXES: dict[str, Axis] = {
     "batch": Axis(lambda m, make, ref: run_together(make, list(m.cases))),
     "chunked16": Axis(
@@ -242,6 +266,7 @@ AXES: dict[str, Axis] = {
     "per_layer_decode": Axis(
         lambda m, make, ref: run_together(make, list(m.cases), cpu_decode_step="per_layer")
     ),
+    "tp2": Axis(_tensor_parallel),
 }
 # The default model is slower to load: the axes it runs.
 SMOLLM_AXES = (
