@@ -294,9 +294,9 @@ class TPExecutor:
             WorkerDiedError: a worker failed to load (its log says why).
         """
         try:
-            self.send(InitKV(num_blocks, block_size, kv_dtype))
-            ready = torch.ones(1, device=self.group.device)
-            self.group.all_reduce(ready)  # every worker's "loaded and allocated"
+            self.check_alive()
+            self.group.send_command(InitKV(num_blocks, block_size, kv_dtype), startup=True)
+            ready = self.group.count_ready()  # every worker's "loaded and allocated"
         except WorkerDiedError:
             raise
         except Exception as e:
@@ -304,7 +304,7 @@ class TPExecutor:
             raise WorkerDiedError(
                 self.failure or f"tensor-parallel start-up failed: {type(e).__name__}: {e}"
             ) from e
-        if int(ready.item()) != self.group.world_size:
+        if ready != self.group.world_size:
             raise WorkerDiedError("tensor-parallel start-up: not every rank is ready")
 
     def _await_failure(self, timeout_s: float = 2.0) -> None:
@@ -322,13 +322,15 @@ class TPExecutor:
         if self.failure is None:
             try:
                 self.group.send_command(Shutdown())
-            except Exception:  # a worker already gone: terminate below
+            except Exception:  # a worker already gone: kill below
                 logger.debug("tensor-parallel shutdown broadcast failed", exc_info=True)
-        for p in self.procs:
-            p.join(_JOIN_TIMEOUT_S)
-            if p.is_alive():
-                p.terminate()
+            for p in self.procs:
                 p.join(_JOIN_TIMEOUT_S)
+        # A failed group's ranks may hang in a collective (or be stopped): kill them.
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(_JOIN_TIMEOUT_S)
         self.group.close()
 
 
@@ -385,7 +387,7 @@ def _serve(spec: WorkerSpec, group: TPGroup, device: torch.device) -> None:
     mc = load_model_config(path)
     shard = ShardSpec(mc, spec.rank, spec.world)
     model, _, _ = build_rank_model(spec.config, path, mc, shard, group, device, spec.dtype)
-    init = group.recv_command()
+    init = group.recv_command(startup=True)
     assert isinstance(init, InitKV), init
     local = shard.local_config()
     kv_caches = PlainKVFormat(
@@ -395,7 +397,7 @@ def _serve(spec: WorkerSpec, group: TPGroup, device: torch.device) -> None:
         local.head_dim,
         init.kv_dtype,
     ).allocate(init.num_blocks, device)
-    group.all_reduce(torch.ones(1, device=device))  # ready
+    group.count_ready()
     while True:
         cmd = group.recv_command()
         if isinstance(cmd, Forward):
