@@ -146,41 +146,39 @@ def main() -> None:
         max_num_batched_tokens=max(2048, args.prompt_len * 16),
         enable_prefix_caching=False,
     )
-    engines = {
-        1: LLMEngine(EngineConfig(**base)),
-        args.tp: LLMEngine(EngineConfig(**base, tensor_parallel_size=args.tp)),
-    }
-    tp_engine = engines[args.tp]
+    one = LLMEngine(EngineConfig(**base))
+    tp_engine = LLMEngine(EngineConfig(**base, tensor_parallel_size=args.tp))
     assert tp_engine.tp is not None
     timers = Timers(tp_engine.tp.group)
+    tp = f"tp{args.tp}"
+    # (label, engine, threads of this process): TP=1 on every core and on one
+    # core (what each rank gets), so the cost of OpenMP sharing cores shows.
+    configs = [("tp1", one, cores), ("tp1_1thread", one, 1), (tp, tp_engine, cores // args.tp)]
     batches = [int(b) for b in args.batches.split(",")]
-    best: dict[tuple[int, int], dict[str, float]] = {}
+    best: dict[tuple[str, int], dict[str, float]] = {}
     try:
         for rnd in range(args.rounds):
             for b in batches:
-                for n, eng in engines.items():
-                    torch.set_num_threads(max(1, cores // n))
-                    r = run_steps(
-                        eng,
-                        b,
-                        args.steps,
-                        args.prompt_len,
-                        f"r{rnd}b{b}n{n}",
-                        timers if n > 1 else None,
-                    )
-                    key = (n, b)
+                for label, eng, threads in configs:
+                    torch.set_num_threads(max(1, threads))
+                    tag = f"r{rnd}b{b}{label}"
+                    t = timers if eng is tp_engine else None
+                    r = run_steps(eng, b, args.steps, args.prompt_len, tag, t)
+                    key = (label, b)
                     if key not in best or r["decode_ms"] < best[key]["decode_ms"]:
                         best[key] = r
     finally:
         tp_engine.close()
     rows = []
     for b in batches:
-        one, many = best[(1, b)], best[(args.tp, b)]
+        many = best[(tp, b)]
         row: dict[str, float] = {"batch": b, "prompt_len": args.prompt_len}
         for phase in ("decode", "prefill"):
-            row[f"tp1_{phase}_ms"] = round(one[f"{phase}_ms"], 2)
-            row[f"tp{args.tp}_{phase}_ms"] = round(many[f"{phase}_ms"], 2)
-            row[f"{phase}_ratio"] = round(many[f"{phase}_ms"] / one[f"{phase}_ms"], 2)
+            for label in ("tp1", "tp1_1thread", tp):
+                row[f"{label}_{phase}_ms"] = round(best[(label, b)][f"{phase}_ms"], 2)
+            for label in ("tp1", "tp1_1thread"):
+                ratio = many[f"{phase}_ms"] / best[(label, b)][f"{phase}_ms"]
+                row[f"{phase}_{tp}_over_{label}"] = round(ratio, 2)
             for kind in ("all_reduce", "plan", "logits"):
                 v = many.get(f"{phase}_{kind}_ms", 0.0)
                 row[f"{phase}_{kind}_ms"] = round(v, 3)
