@@ -10,9 +10,10 @@ the config. Names follow ``vllm serve`` flags where vLLM has one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from engine.settings import setting, validate_fields
+from engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 KVCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -170,6 +171,16 @@ class EngineConfig:
         1000, "Request traces kept in memory (--enable-request-traces).", minimum=1
     )
     log_prompts: bool = setting(False, "Log prompts and outputs (off: metadata only).")
+    speculative_config: dict[str, Any] | None = setting(
+        None,
+        "Speculative decoding as JSON, vLLM's keys: "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}, {"model": PATH, "num_speculative_tokens": 4} (a draft model '
+        'with the target\'s vocabulary) or {"method": "draft_model", "num_speculative_tokens": 4} '
+        "(the target's weights in Q4_1 drafting for it). Greedy output is unchanged; sampled "
+        "output keeps the target's distribution.",
+        kind="json",
+    )
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -193,6 +204,9 @@ class EngineConfig:
             raise ValueError(
                 "--preemption-mode swap needs the host tier (--kv-offloading-size > 0)"
             )
+        self.speculative: SpeculativeConfig | None = parse_speculative_config(
+            self.speculative_config
+        )
 
     @property
     def host_tier_enabled(self) -> bool:
