@@ -224,6 +224,27 @@ def test_qwen3_with_biases_on_two_ranks_matches_one(tmp_path: Path) -> None:
         assert_same(got[rid][0], want[rid][0], rid, atol=LOGPROB_ATOL)
 
 
+def test_speculative_decoding_on_two_ranks_matches_one_rank(tmp_path: Path) -> None:
+    """The self-draft runs on rank 0 alone (its own unsharded model); verification
+    and rejected drafts' KV go through both ranks: the greedy answer stays."""
+    ckpt = make_tiny_checkpoint(tmp_path, "llama", vocab_size=49152)
+    one = _engine(ckpt)
+    want = drive(one, _subs())
+    one.close()
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}
+    two = _engine(ckpt, tensor_parallel_size=2, speculative_config=spec)
+    try:
+        got = drive(two, _subs())
+        assert two.speculator is not None
+        stats = two.speculator.stats
+        assert stats.num_accepted_tokens > 0
+        assert stats.num_draft_tokens > stats.num_accepted_tokens  # some were rejected
+    finally:
+        two.close()
+    for rid in want:
+        assert_same(got[rid][0], want[rid][0], rid, atol=LOGPROB_ATOL)
+
+
 def _wait_for(cond: Any, timeout_s: float) -> None:
     end = time.monotonic() + timeout_s
     while not cond():
