@@ -207,10 +207,13 @@ def _subs() -> list[Submission]:
     return [Submission(f"r{i}", list(c.prompt), greedy_params(c)) for i, c in enumerate(CASES)]
 
 
-def test_qwen3_with_biases_on_two_ranks_matches_one(tmp_path: Path) -> None:
+def test_qwen3_with_biases_and_tied_embeddings_on_two_ranks_matches_one(tmp_path: Path) -> None:
     """Per-head q/k norms, q/k/v biases and an o_proj bias (kept on rank 0 only),
-    batched: the same greedy answer as one rank."""
-    ckpt = make_tiny_checkpoint(tmp_path, "qwen3", attention_bias=True, vocab_size=49152)
+    tied embeddings (the vocabulary shard is also the logits shard), batched:
+    the same greedy answer as one rank."""
+    ckpt = make_tiny_checkpoint(
+        tmp_path, "qwen3", attention_bias=True, tie_word_embeddings=True, vocab_size=49152
+    )
     one = _engine(ckpt)
     want = drive(one, _subs())
     one.close()
