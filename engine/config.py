@@ -148,6 +148,22 @@ class EngineConfig:
         "passes through on the residual (default: no limit, exact routing).",
         minimum=0.01,
     )
+    tensor_parallel_size: int = setting(
+        1,
+        "Tensor-parallel ranks (vLLM's flag): N processes on torch.distributed (gloo on the "
+        "CPU, NCCL on CUDA), each with 1/N of the attention heads, KV heads, MLP width and "
+        "vocabulary. Needs heads, KV heads and the MLP width divisible by N; dense models "
+        "only; no host KV tier; decode steps per layer (no fused native step, no CUDA "
+        "graphs). On the CPU --kv-cache-memory is the total over the ranks; on CUDA "
+        "--num-gpu-blocks-override is required.",
+        minimum=1,
+    )
+    tp_timeout_s: float = setting(
+        60.0,
+        "Tensor parallelism: the longest any collective may wait for the other ranks "
+        "before the step fails and the engine stops.",
+        minimum=0.1,
+    )
     debug_invariants: bool = setting(False, "Check scheduler/KV invariants every step (slow).")
     max_logprobs: int = setting(20, "Largest logprobs/top_logprobs accepted.", minimum=0)
     enable_request_traces: bool = setting(False, "Record per-request traces.")
@@ -173,6 +189,16 @@ class EngineConfig:
             raise ValueError(
                 "--kv-offloading-disk-path needs the host tier (--kv-offloading-size > 0): "
                 "blocks reach the disk tier through it"
+            )
+        if self.tensor_parallel_size > 1 and host:
+            raise ValueError(
+                "--tensor-parallel-size > 1 with a host KV tier (--kv-offloading-size / "
+                "--num-host-blocks-override) is not supported: the tier copies rank 0's cache only"
+            )
+        if self.tensor_parallel_size > 1 and self.cpu_decode_step == "fused":
+            raise ValueError(
+                "--cpu-decode-step fused cannot run tensor-parallel (its single native call has "
+                "no all-reduce); use auto or per_layer"
             )
         if self.preemption_mode == "swap" and not host:
             raise ValueError(

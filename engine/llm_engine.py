@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from engine.attention.base import AttentionBackend
 from engine.attention.cpu_backend import CpuNativeAttentionBackend
 from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
@@ -29,7 +30,7 @@ from engine.kv.format import GroupedKVFormat, KVFormat, PlainKVFormat
 from engine.kv.hierarchy import KVHierarchy
 from engine.kv.manager import KVCacheManager
 from engine.kv.transfer import KVTransferExecutor
-from engine.models.linear import LinearStrategy, make_linear_strategy
+from engine.models.linear import LinearChoice, LinearStrategy, make_linear_strategy
 from engine.models.loader import (
     linear_weight_type,
     load_model,
@@ -49,6 +50,8 @@ from engine.output_processor import (
     process_token,
 )
 from engine.outputs import CompletionDelta, RequestOutput
+from engine.parallel.executor import TensorParallelModel, TPExecutor, build_rank_model
+from engine.parallel.sharding import ShardSpec, check_tensor_parallel
 from engine.request import Request, RequestOptions, RequestStatus
 from engine.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
@@ -198,21 +201,29 @@ class LLMEngine:
                 f"--moe-capacity-factor needs a Mixture-of-Experts model; {mc.architecture} is dense"
             )
         backend = get_attention_backend(config.attention_backend, device)
+        # Tensor parallelism (engine/parallel/): the worker ranks, rank 0's shard.
+        self.tp: TPExecutor | None = None
         # Any: the model class comes from the registry (LlamaForCausalLM-like).
-        model: Any = load_model(path, mc, backend, dtype, device)
-        choice = make_linear_strategy(
-            config.cpu_linear,
-            device=device,
-            dtype=dtype,
-            weight_type=linear_weight_type(path),
-            kernels=lambda: _native_kernels(backend),
-        )
+        model: Any
+        if config.tensor_parallel_size > 1:
+            model, choice, backend = self._start_tensor_parallel(path, device, dtype)
+        else:
+            model = load_model(path, mc, backend, dtype, device)
+            choice = make_linear_strategy(
+                config.cpu_linear,
+                device=device,
+                dtype=dtype,
+                weight_type=linear_weight_type(path),
+                kernels=lambda: _native_kernels(backend),
+            )
+            choice.strategy.apply(model)
         self.linear_strategy: LinearStrategy = choice.strategy
-        self.linear_strategy.apply(model)
         _return_freed_memory()
         if isinstance(backend, CpuNativeAttentionBackend) and dtype == torch.float32:
             # The native CPU backend also brings fused norm/RoPE/SiLU ops (same library).
             model.set_ops(NativeCpuModelOps(backend.kernels))
+        if self.tp is not None:
+            model = TensorParallelModel(model, self.tp, mc.vocab_size)
         self.model = model
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, device, dtype, backend)
         proposer = self._proposer(path, backend, dtype, device, kv_dtype, max_len)
@@ -264,6 +275,27 @@ class LLMEngine:
             self.traces = TraceStore(config.max_traces)
             self.tracer = TraceRecorder(self.traces, log_prompts=config.log_prompts)
 
+    def _start_tensor_parallel(
+        self, path: Path, device: torch.device, dtype: torch.dtype
+    ) -> tuple[Any, LinearChoice, AttentionBackend]:
+        """Spawn the worker ranks and build rank 0's shard (engine/parallel/executor.py)."""
+        cfg = self.config
+        check_tensor_parallel(self.model_config, cfg.tensor_parallel_size)
+        if device.type == "cuda" and cfg.num_gpu_blocks_override is None:
+            raise ValueError(
+                "--tensor-parallel-size > 1 on CUDA needs --num-gpu-blocks-override (the "
+                "memory profile does not run across the ranks yet)"
+            )
+        self.tp = TPExecutor.start(cfg, path, device, dtype)
+        try:
+            spec = ShardSpec(self.model_config, 0, cfg.tensor_parallel_size)
+            return build_rank_model(
+                cfg, path, self.model_config, spec, self.tp.group, device, dtype
+            )
+        except BaseException:
+            self.tp.close()
+            raise
+
     def _build_kv(
         self,
         num_blocks: int,
@@ -284,8 +316,10 @@ class LLMEngine:
         block demoted, swapped or read back from disk carries both."""
         cfg = self.config
         mc = self.model_config
+        # Under tensor parallelism each rank holds the cache of its KV heads only.
+        kv_heads = mc.num_key_value_heads // cfg.tensor_parallel_size
         kv_format = PlainKVFormat(
-            mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
+            mc.num_hidden_layers, cfg.block_size, kv_heads, mc.head_dim, kv_dtype
         )
         draft_format = proposer.kv_format(cfg.block_size) if proposer is not None else None
         tier_format: KVFormat = (
@@ -309,7 +343,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model,
             mc.num_hidden_layers,
-            mc.num_key_value_heads,
+            kv_heads,
             mc.head_dim,
             num_blocks,
             cfg.block_size,
@@ -322,6 +356,8 @@ class LLMEngine:
         if proposer is not None:
             proposer.allocate_cache(num_blocks, cfg.block_size)
             caches += proposer.cache_tensors()
+        if self.tp is not None:
+            self.tp.init_kv(num_blocks, cfg.block_size, kv_dtype)
         self.transfers: KVTransferExecutor | None = None
         if hierarchy is not None:
             self.transfers = KVTransferExecutor(tier_format, caches, hierarchy, device)
@@ -333,7 +369,7 @@ class LLMEngine:
         if self.runner.graphs is not None:
             return "cuda_graphs"
         choice = self.config.cpu_decode_step
-        if device.type != "cpu" or choice == "per_layer":
+        if device.type != "cpu" or choice == "per_layer" or self.tp is not None:
             return "per_layer"
         try:
             self.runner.native_step = NativeDecodeStep.build(self.model, self.runner.kv_caches)
@@ -471,6 +507,7 @@ class LLMEngine:
             f"kv_tokens={i.num_blocks * i.block_size} max_model_len={i.max_model_len} "
             + " ".join(f"{k}={v}" for k, v in i.execution().items() if k not in ("device", "dtype"))
             + f" host_kv_blocks={i.num_host_blocks} disk_kv_tier={i.disk_tier_path or 'off'}"
+            + f" tensor_parallel_size={self.config.tensor_parallel_size}"
             + (f" speculation={self._describe_speculation()}" if self.speculator else "")
         )
 
@@ -683,7 +720,11 @@ class LLMEngine:
             t_target = time.perf_counter()
             result = self.runner.execute(sched.scheduled, self._grammar_mask, draft_probs)
             t_target = time.perf_counter() - t_target
-        except Exception:
+        except Exception as e:
+            if self.tp is not None:
+                # The ranks may be out of step now: tensor-parallel steps cannot fail alone.
+                self.tp.fail(f"tensor-parallel step failed: {type(e).__name__}: {e}")
+                self.tp.check_alive()
             logger.exception("model step failed; ending the requests in it")
             return self._fail(sched.scheduled)
         dt = time.perf_counter() - t0
@@ -732,15 +773,24 @@ class LLMEngine:
         self._refresh_stats()
         return n
 
+    def check_health(self) -> None:
+        """Raise ``WorkerDiedError`` when the engine cannot step any more (a tensor-parallel
+        worker died). Cheap; the async engine calls it on every loop turn."""
+        if self.tp is not None:
+            self.tp.check_alive()
+
     def close(self) -> None:
         """Flush the KV tiers and stop their disk writer thread. Call it when done
         with an engine that has a disk tier (``AsyncEngine.shutdown`` does): the
         writer is a daemon thread, and what it has not written yet is lost at
         exit otherwise. Idempotent; the engine stays usable (without
-        write-through)."""
+        write-through), except under tensor parallelism, where it also stops the
+        worker ranks (call it when done with such an engine)."""
         self.flush_kv_tiers()
         if self.kv.hierarchy is not None:
             self.kv.hierarchy.close()
+        if self.tp is not None:
+            self.tp.close()
 
     def rerotate_blocks(
         self, block_ids: Sequence[int], new_positions: Sequence[Sequence[int]]
@@ -753,6 +803,8 @@ class LLMEngine:
         segment reuse). Only a block one request owns may move: a block in the
         prefix cache is shared at its own positions (raises ValueError).
         """
+        if self.tp is not None:
+            raise ValueError("re-rotating KV blocks is not tensor-parallel (rank 0's cache only)")
         bs = self.config.block_size
         blocks: list[KVBlock] = [self.kv.pool.blocks[b] for b in block_ids]
         for b, pos in zip(blocks, new_positions):

@@ -115,6 +115,7 @@ class FakeEngine:
     running: set[str] = field(default_factory=set)
     started: bool = False
     stopped: bool = False
+    fatal_error: str | None = None  # set it to make the app see a dead engine
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     execution_info: dict[str, str] = field(
         default_factory=lambda: {"cpu_linear": "q4_1", "kv_cache_dtype": "float16"}

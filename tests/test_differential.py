@@ -22,6 +22,9 @@ request runs alone (the reference, prefix cache off) or:
 - ``grammar``: under a regex that allows exactly the reference text;
 - ``per_layer_decode``: decode steps layer by layer instead of the fused
   native step (modes with block-quantized linears);
+- ``tp2``: on two tensor-parallel ranks (``--tensor-parallel-size 2``: heads,
+  KV heads, MLP and vocabulary split, one all-reduce per block half), each case
+  alone and then all of them batched, in one engine (one start of the ranks);
 - ``spec_*``: with speculative decoding (``--speculative-config``): the
   self-draft (the model's own weights in Q4_1 drafting), k from 1 to 5, alone,
   batched, chunked with staggered arrivals, from a warm prefix cache and under
@@ -198,6 +201,27 @@ def _grammar(model: Model, make: EngineFactory, ref: list[Answer]) -> list[list[
     return run_together(make, list(model.cases), params=params)
 
 
+def _tensor_parallel(model: Model, make: EngineFactory, ref: list[Answer]) -> list[list[Answer]]:
+    """Two ranks: each case alone (prefix cache off, as the reference), then every
+    case in one batch, in the same engine; both answers are compared."""
+    eng = make(tensor_parallel_size=2, enable_prefix_caching=False)
+    try:
+        assert eng.tp is not None and eng.tp.group.world_size == 2
+        cases = list(model.cases)
+        alone = [
+            drive(eng, [Submission(f"a{i}", list(c.prompt), greedy_params(c))])[f"a{i}"][0]
+            for i, c in enumerate(cases)
+        ]
+        subs = [Submission(f"b{i}", list(c.prompt), greedy_params(c)) for i, c in enumerate(cases)]
+        steps = eng.stats.num_steps
+        batched = drive(eng, subs)
+        # Alone, each case takes at least max_tokens steps; batched they overlap.
+        assert eng.stats.num_steps - steps < sum(c.max_tokens for c in cases), "not batched"
+    finally:
+        eng.close()
+    return [[a, batched[f"b{i}"][0]] for i, a in enumerate(alone)]
+
+
 def _ngram(k: int, adaptive: bool = False) -> dict[str, Any]:
     return {
         "method": "ngram",
@@ -283,6 +307,7 @@ AXES: dict[str, Axis] = {
     "per_layer_decode": Axis(
         lambda m, make, ref: run_together(make, list(m.cases), cpu_decode_step="per_layer")
     ),
+    "tp2": Axis(_tensor_parallel),
     "spec_draft_alone": Axis(
         lambda m, make, ref: _alone(make, list(m.cases), speculative_config=_self_draft(2))
     ),
