@@ -28,6 +28,8 @@ from engine.kv.builder import build_hierarchy
 from engine.kv.format import PlainKVFormat
 from engine.kv.hierarchy import KVHierarchy
 from engine.kv.manager import KVCacheManager
+from engine.kv.policies.resolve import resolve_policy
+from engine.kv.policies.runtime import KVPolicyRuntime
 from engine.kv.transfer import KVTransferExecutor
 from engine.models.linear import LinearStrategy, make_linear_strategy
 from engine.models.loader import (
@@ -143,6 +145,7 @@ class EngineInfo:
     kv_cache_dtype: torch.dtype = torch.float32
     attention: str = "?"
     decode_step: str = "per_layer"
+    kv_policy: str = "full"
 
     def execution(self) -> dict[str, str]:
         """The execution path, as served in ``/v1/models`` (``fuel`` field) and logged."""
@@ -153,6 +156,7 @@ class EngineInfo:
             "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
             "attention": self.attention,
             "decode_step": self.decode_step,
+            "kv_policy": self.kv_policy,
         }
 
     num_host_blocks: int = 0
@@ -227,6 +231,7 @@ class LLMEngine:
             kv_cache_dtype=kv_dtype,
             attention=self.model_backend_name(),
             decode_step=decode_step,
+            kv_policy=config.kv_policy,
             num_host_blocks=hierarchy.host.capacity_blocks if hierarchy is not None else 0,
             disk_tier_path=(
                 str(hierarchy.disk.root) if hierarchy is not None and hierarchy.disk else None
@@ -291,6 +296,15 @@ class LLMEngine:
             kv_dtype,
             cfg.moe_capacity_factor,
             kv_format,
+        )
+        if cfg.kv_policy != "full" and not hasattr(self.model.model, "rotary_emb"):
+            raise ValueError(f"--kv-policy {cfg.kv_policy} needs a RoPE model (it re-rotates keys)")
+        self.kv_policies = KVPolicyRuntime(
+            cfg,
+            self.kv,
+            kv_format,
+            self.runner.kv_caches,
+            lambda: self.model.model.rotary_emb.cos_sin_cache,
         )
         self.transfers: KVTransferExecutor | None = None
         if hierarchy is not None:
@@ -433,8 +447,12 @@ class LLMEngine:
         return mask
 
     # ---- requests -----------------------------------------------------
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Checks that need no engine state (safe from any thread)."""
+    def validate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, windowed: bool = False
+    ) -> None:
+        """Checks that need no engine state (safe from any thread). ``windowed``:
+        the request runs under a KV policy, which keeps its cache within the
+        context whatever the prompt and output lengths (no context check)."""
         try:
             params.validate(vocab_size=self.model_config.vocab_size)
         except ValueError as e:
@@ -450,7 +468,7 @@ class LLMEngine:
         max_len = self.info.max_model_len
         n = len(prompt_token_ids)
         want = params.max_tokens or 0
-        if n + want > max_len or n >= max_len:
+        if not windowed and (n + want > max_len or n >= max_len):
             raise InvalidRequestError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
                 f"{n + want} tokens ({n} in the prompt, {want} in the completion). "
@@ -472,7 +490,10 @@ class LLMEngine:
         """Queue the n choices of one request. Raises InvalidRequestError / RequestRejectedError."""
         if group_id in self.groups:
             raise InvalidRequestError(f"request id {group_id!r} is already in use")
-        self.validate(prompt_token_ids, params)
+        spec = resolve_policy(self.config, options.kv_policy, self.info.max_model_len)
+        self.validate(prompt_token_ids, params, windowed=spec is not None)
+        if spec is not None:
+            self.kv_policies.new_state(spec, options.segments)  # refuses what cannot fit
         now = self.clock() if arrival_time is None else arrival_time
         reqs: list[Request] = []
         for i in range(params.n):
@@ -501,6 +522,11 @@ class LLMEngine:
             )
         for r in reqs[1:]:
             r.prefix_source = reqs[0]
+        if spec is not None:
+            for r in reqs:
+                r.kv_state = self.kv_policies.new_state(spec, options.segments)
+                r.kv_cap = r.kv_state.cap
+                r.max_model_len = 1 << 62  # positions stay in the cache: no context limit
         if params.structured is not None:
             for r in reqs:
                 r.grammar = self.grammar.new_state(params.structured)
@@ -559,6 +585,7 @@ class LLMEngine:
         dt = time.perf_counter() - t0
         self.scheduler.predictor.observe(sched.num_prefill_tokens, sched.num_decodes, dt)
         self.scheduler.update_after_step(sched)
+        self.kv_policies.after_step([s.req for s in sched.scheduled], result.attn_mass)
         now = self.clock()
         if self.tracer.enabled:
             self._trace_step(sched, dt, result)

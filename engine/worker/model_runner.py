@@ -44,6 +44,9 @@ class StepResult:
     # MoE capacity: (token slots rerouted, dropped) this step, summed over layers,
     # for the requests that had any.
     moe_capacity: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # KV policies: per request, float32 [cache length] attention mass its keys got
+    # this step (summed over layers, heads, queries); only when a policy asked.
+    attn_mass: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -116,9 +119,12 @@ class ModelRunner:
             toks = s.req.all_token_ids[s.start : s.start + s.num_new_tokens]
             ids.extend(toks)
             seq_idx.extend([i] * s.num_new_tokens)
-            starts.append(s.start)
+            # Cache positions: a KV policy's evictions shift them below the token
+            # index (kept tokens are packed and re-rotated, engine/kv/policies/).
+            cstart = s.start - s.req.num_evicted_tokens
+            starts.append(cstart)
             qlens.append(s.num_new_tokens)
-            seq_lens.append(s.start + s.num_new_tokens)
+            seq_lens.append(cstart + s.num_new_tokens)
             qsl.append(qsl[-1] + s.num_new_tokens)
             max_blocks = max(max_blocks, len(s.req.block_ids))
         table = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
@@ -160,7 +166,12 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(batch)
         hidden = None
         routing = self._routing_context(batch, positions, meta)
-        if self.graphs is not None:
+        if any(s.req.kv_state is not None and s.req.kv_state.policy.needs_mass for s in batch):
+            # The per-layer mass pass runs in the model's forward: no graph, no fused step.
+            meta.attn_mass = torch.zeros(
+                (len(batch), meta.max_seq_len), dtype=torch.float32, device=self.device
+            )
+        elif self.graphs is not None:
             hidden = self.graphs.run(input_ids, positions, meta)
         elif self.native_step is not None:
             hidden = self.native_step.run(input_ids, positions, meta)
@@ -171,6 +182,10 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, routing)
 
         result = StepResult()
+        if meta.attn_mass is not None:
+            mass = meta.attn_mass.cpu()
+            for i, s in enumerate(batch):
+                result.attn_mass[s.req.request_id] = mass[i, : meta.seq_lens_cpu[i]]
         if routing is not None:
             result.moe_capacity = _capacity_counts(batch, routing, meta)
         sample_rows: list[int] = []
