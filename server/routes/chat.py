@@ -18,7 +18,7 @@ from server.generation import (
     ChoiceFormat,
     ChoiceState,
     Generation,
-    output_budget,
+    request_budget,
     request_options,
     sampling_params,
 )
@@ -55,9 +55,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         tools=offered,
         continue_final_message=body.continue_final_message,
     )
-    budget = output_budget(
-        body.output_budget(), len(prompt_ids), engine.max_model_len, "the messages"
-    )
+    budget = request_budget(body, body.output_budget(), len(prompt_ids), engine, "the messages")
     top_k = body.top_logprobs or 0
     params = sampling_params(
         body,
