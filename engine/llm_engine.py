@@ -28,7 +28,7 @@ from engine.kv.builder import build_hierarchy
 from engine.kv.format import PlainKVFormat
 from engine.kv.hierarchy import KVHierarchy
 from engine.kv.manager import KVCacheManager
-from engine.kv.policies.resolve import resolve_policy
+from engine.kv.policies.resolve import KVPolicySpec, resolve_policy
 from engine.kv.policies.runtime import KVPolicyRuntime
 from engine.kv.transfer import KVTransferExecutor
 from engine.models.linear import LinearStrategy, make_linear_strategy
@@ -447,6 +447,16 @@ class LLMEngine:
         return mask
 
     # ---- requests -----------------------------------------------------
+    def validate_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, options: RequestOptions
+    ) -> KVPolicySpec | None:
+        """``validate`` under the request's KV policy (resolved here: the server's
+        ``--kv-policy`` narrowed by ``options.kv_policy``; None is ``full``).
+        Safe from any thread."""
+        spec = resolve_policy(self.config, options.kv_policy, self.info.max_model_len)
+        self.validate(prompt_token_ids, params, windowed=spec is not None)
+        return spec
+
     def validate(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, windowed: bool = False
     ) -> None:
@@ -490,8 +500,7 @@ class LLMEngine:
         """Queue the n choices of one request. Raises InvalidRequestError / RequestRejectedError."""
         if group_id in self.groups:
             raise InvalidRequestError(f"request id {group_id!r} is already in use")
-        spec = resolve_policy(self.config, options.kv_policy, self.info.max_model_len)
-        self.validate(prompt_token_ids, params, windowed=spec is not None)
+        spec = self.validate_request(prompt_token_ids, params, options)
         if spec is not None:
             self.kv_policies.new_state(spec, options.segments)  # refuses what cannot fit
         now = self.clock() if arrival_time is None else arrival_time
