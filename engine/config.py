@@ -10,9 +10,10 @@ the config. Names follow ``vllm serve`` flags where vLLM has one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from engine.settings import setting, validate_fields
+from engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 KVCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -185,6 +186,16 @@ class EngineConfig:
         1000, "Request traces kept in memory (--enable-request-traces).", minimum=1
     )
     log_prompts: bool = setting(False, "Log prompts and outputs (off: metadata only).")
+    speculative_config: dict[str, Any] | None = setting(
+        None,
+        "Speculative decoding as JSON, vLLM's keys: "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}, {"model": PATH, "num_speculative_tokens": 4} (a draft model '
+        'with the target\'s vocabulary) or {"method": "draft_model", "num_speculative_tokens": 4} '
+        "(the target's weights in Q4_1 drafting for it). Greedy output is unchanged; sampled "
+        "output keeps the target's distribution.",
+        kind="json",
+    )
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -193,6 +204,12 @@ class EngineConfig:
             raise ValueError(
                 "--kv-offloading-disk-path needs the host tier (--kv-offloading-size > 0): "
                 "blocks reach the disk tier through it"
+            )
+        if self.kv_policy != "full" and self.speculative_config is not None:
+            # Not built: drafts and evictions would both move num_kv_tokens in one
+            # step (a rejected draft rolls back slots a compaction may have moved).
+            raise ValueError(
+                f"--kv-policy {self.kv_policy} cannot run with --speculative-config yet"
             )
         if self.kv_policy != "full" and self.kv_budget_tokens is None:
             raise ValueError(f"--kv-policy {self.kv_policy} needs --kv-budget-tokens")
@@ -203,6 +220,9 @@ class EngineConfig:
             raise ValueError(
                 "--preemption-mode swap needs the host tier (--kv-offloading-size > 0)"
             )
+        self.speculative: SpeculativeConfig | None = parse_speculative_config(
+            self.speculative_config
+        )
 
     @property
     def vote_weights(self) -> dict[str, float]:

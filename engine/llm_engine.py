@@ -25,7 +25,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv.block_pool import KVBlock
 from engine.kv.builder import build_hierarchy
-from engine.kv.format import PlainKVFormat
+from engine.kv.format import GroupedKVFormat, KVFormat, PlainKVFormat
 from engine.kv.hierarchy import KVHierarchy
 from engine.kv.manager import KVCacheManager
 from engine.kv.policies.resolve import KVPolicySpec, resolve_policy
@@ -47,14 +47,21 @@ from engine.output_processor import (
     final_delta,
     finish_text,
     make_choice,
+    merge_deltas,
     process_token,
 )
 from engine.outputs import CompletionDelta, RequestOutput
 from engine.request import Request, RequestOptions, RequestStatus
 from engine.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
-from engine.sampling.sampler import GrammarMaskFn
+from engine.sampling.sampler import GrammarMaskFn, SampleRow
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.spec_decode.calibrate import measure_step_cost
+from engine.spec_decode.controller import AdaptiveDraftPolicy, DraftPolicy, FixedDraftPolicy
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.proposer import Proposer
+from engine.spec_decode.speculator import Speculator
 from engine.stats import EngineStats
 from engine.text.tokenizer import Tokenizer
 from engine.trace import NullTraceRecorder, RequestTrace, TraceRecorder, TraceStore
@@ -212,11 +219,17 @@ class LLMEngine:
             model.set_ops(NativeCpuModelOps(backend.kernels))
         self.model = model
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, device, dtype, backend)
-        num_blocks = self._num_blocks(device, kv_dtype, max_len)
-        hierarchy = self._build_kv(num_blocks, max_len, device, dtype, kv_dtype, path, backend.name)
+        proposer = self._proposer(path, backend, dtype, device, kv_dtype, max_len)
+        num_blocks = self._num_blocks(
+            device, kv_dtype, max_len, proposer.kv_bytes_per_token() if proposer else 0
+        )
+        hierarchy = self._build_kv(
+            num_blocks, max_len, device, dtype, kv_dtype, path, backend.name, proposer
+        )
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(max_len)
         decode_step = self._enable_native_decode(device)
+        self.speculator = self._speculator(proposer, num_blocks, max_len)
         # The served name: what the user passed (as vLLM does), or the default model's name.
         name = config.model if config.model is not None else DEFAULT_MODEL_NAME
         self.info = EngineInfo(
@@ -265,13 +278,23 @@ class LLMEngine:
         kv_dtype: torch.dtype,
         model_path: Path,
         backend_name: str,
+        proposer: Proposer | None,
     ) -> KVHierarchy | None:
         """The KV format, the tiers below the device pool, the KV manager, the
-        scheduler, the runner (which owns the caches) and the tier copier."""
+        scheduler, the runner (which owns the caches), the draft's cache and the
+        tier copier.
+
+        A draft model's cache is its own layer group in the same block ids: the
+        tiers see one grouped format (target layers, then draft layers), so a
+        block demoted, swapped or read back from disk carries both."""
         cfg = self.config
         mc = self.model_config
         kv_format = PlainKVFormat(
             mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
+        )
+        draft_format = proposer.kv_format(cfg.block_size) if proposer is not None else None
+        tier_format: KVFormat = (
+            kv_format if draft_format is None else GroupedKVFormat([kv_format, draft_format])
         )
         # What else makes a block's bytes what they are (the disk fingerprint).
         numerics = {
@@ -280,7 +303,10 @@ class LLMEngine:
             "cpu_linear": self.linear_strategy.name,
             "attention": backend_name,
         }
-        hierarchy = build_hierarchy(cfg, kv_format, device, model_path, numerics)
+        if cfg.speculative is not None and draft_format is not None:
+            sp = cfg.speculative
+            numerics["draft"] = f"{sp.model or 'self'}:{sp.quantization}"
+        hierarchy = build_hierarchy(cfg, tier_format, device, model_path, numerics)
         self.kv = KVCacheManager(
             num_blocks, cfg.block_size, cfg.enable_prefix_caching, hierarchy=hierarchy
         )
@@ -306,9 +332,13 @@ class LLMEngine:
             self.runner.kv_caches,
             lambda: self.model.model.rotary_emb.cos_sin_cache,
         )
+        caches = list(self.runner.kv_caches)
+        if proposer is not None:
+            proposer.allocate_cache(num_blocks, cfg.block_size)
+            caches += proposer.cache_tensors()
         self.transfers: KVTransferExecutor | None = None
         if hierarchy is not None:
-            self.transfers = KVTransferExecutor(kv_format, self.runner.kv_caches, hierarchy, device)
+            self.transfers = KVTransferExecutor(tier_format, caches, hierarchy, device)
         return hierarchy
 
     def _enable_native_decode(self, device: torch.device) -> str:
@@ -359,9 +389,13 @@ class LLMEngine:
         runner.execute(batch)
         del runner
 
-    def _num_blocks(self, device: torch.device, dtype: torch.dtype, max_len: int) -> int:
+    def _num_blocks(
+        self, device: torch.device, dtype: torch.dtype, max_len: int, extra_per_token: int = 0
+    ) -> int:
+        """KV blocks for the budget; ``extra_per_token``: bytes a draft model's own cache
+        adds per token (its layer group shares the block ids)."""
         cfg = self.config
-        per_block = self.model_config.kv_bytes_per_token(dtype) * cfg.block_size
+        per_block = (self.model_config.kv_bytes_per_token(dtype) + extra_per_token) * cfg.block_size
         if cfg.num_gpu_blocks_override:
             return cfg.num_gpu_blocks_override
         if device.type == "cuda":
@@ -384,6 +418,65 @@ class LLMEngine:
             )
         return int(n)
 
+    # ---- speculative decoding ---------------------------------------------
+    def _proposer(
+        self,
+        path: Path,
+        backend: object,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+        max_len: int,
+    ) -> Proposer | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        # The draft gets its own backend instance: backends memoise per-step plans.
+        draft_backend = get_attention_backend(self.config.attention_backend, device)
+        return DraftModelProposer.load(
+            spec, path, self.model_config, draft_backend, dtype, device, kv_dtype, max_len
+        )
+
+    def _speculator(
+        self, proposer: Proposer | None, num_blocks: int, max_len: int
+    ) -> Speculator | None:
+        if proposer is None:
+            return None
+        assert self.config.speculative is not None
+        policy = self._draft_policy(proposer, max_len)
+        return Speculator(self.config.speculative, proposer, policy)
+
+    def _draft_policy(self, proposer: Proposer, max_len: int) -> DraftPolicy:
+        """The adaptive rule over cost tables measured now (engine/spec_decode/controller.py)."""
+        spec = self.config.speculative
+        assert spec is not None
+        if not spec.adaptive:
+            return FixedDraftPolicy()
+        cfg = self.config
+        limit = min(
+            cfg.max_num_batched_tokens, max(cfg.max_num_seqs, 1) * (1 + spec.num_speculative_tokens)
+        )
+        # Dense where one stream's verification chunks fall, sparse above (the
+        # table is extended with its last slope); a few seconds at start-up.
+        grid = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+        sizes = [n for n in grid if n <= limit] or [1]
+        t0 = time.perf_counter()
+        target = measure_step_cost(self.runner, sizes, self.kv.num_blocks, cfg.block_size)
+        draft_cost = None
+        if isinstance(proposer, DraftModelProposer):
+            rows = [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= cfg.max_num_seqs] or [1]
+            draft_cost = proposer.drafting_cost_model(sizes, rows, self.kv.num_blocks)
+        logger.info(
+            "speculation cost table (tokens: ms): %s (measured in %.1f s)",
+            ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in target.points),
+            time.perf_counter() - t0,
+        )
+        if draft_cost is None:
+            return AdaptiveDraftPolicy(target)
+        return AdaptiveDraftPolicy(target, draft_cost)
+
     def describe(self) -> str:
         i = self.info
         return (
@@ -392,7 +485,15 @@ class LLMEngine:
             f"kv_tokens={i.num_blocks * i.block_size} max_model_len={i.max_model_len} "
             + " ".join(f"{k}={v}" for k, v in i.execution().items() if k not in ("device", "dtype"))
             + f" host_kv_blocks={i.num_host_blocks} disk_kv_tier={i.disk_tier_path or 'off'}"
+            + (f" speculation={self._describe_speculation()}" if self.speculator else "")
         )
+
+    def _describe_speculation(self) -> str:
+        spec = self.config.speculative
+        assert spec is not None
+        what = spec.method if spec.method == "ngram" else (spec.model or "self-draft")
+        quant = f",{spec.quantization}" if spec.quantization else ""
+        return f"{what}(k={spec.num_speculative_tokens}{quant},adaptive={spec.adaptive})"
 
     def _capture_decode_graphs(self, max_len: int) -> None:
         """CUDA graphs for decode-only steps (engine/worker/cuda_graphs.py), when the backend allows."""
@@ -428,21 +529,42 @@ class LLMEngine:
         """Compile (and cache) ``spec``; raises InvalidRequestError. Safe off the engine thread."""
         self.grammar.compile(spec)
 
-    def _grammar_mask(self, reqs: Sequence[Request]) -> GrammarMaskFn | None:
-        rows = [
-            i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()
+    def _grammar_mask(self, rows: Sequence[SampleRow]) -> GrammarMaskFn | None:
+        """The grammar mask for ``rows``: each constrained row's allowed next tokens after
+        its request's tokens and the row's prior drafts (accepted, then rolled back)."""
+        constrained = [
+            i
+            for i, row in enumerate(rows)
+            if row.req.grammar is not None and not row.req.grammar.is_terminated()
         ]
-        if not rows:
+        if not constrained:
             return None
         vocab = self.model_config.vocab_size
-        if self._bitmask is None or self._bitmask.shape[0] < len(reqs):
-            self._bitmask = allocate_bitmask(max(len(reqs), 8), vocab)
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+            self._bitmask = allocate_bitmask(max(len(rows), 8), vocab)
         bitmask = self._bitmask
 
         def mask(logits: torch.Tensor) -> None:
-            for i in rows:
-                reqs[i].grammar.fill_bitmask(bitmask, i)
-            apply_bitmask(logits, bitmask[: len(reqs)], rows)
+            masked: list[int] = []
+            owner: Request | None = None
+            depth = 0  # prior tokens of ``owner`` accepted into its matcher
+            for i in constrained:
+                row = rows[i]
+                if row.req is not owner or len(row.prior) < depth:
+                    if owner is not None and depth:
+                        owner.grammar.rollback(depth)
+                    owner, depth = row.req, 0
+                g = row.req.grammar
+                # Rows of one request come in order of growing prior (drafts were
+                # checked against the grammar before the forward).
+                while depth < len(row.prior) and g.accept_token(row.prior[depth]):
+                    depth += 1
+                if depth == len(row.prior) and not g.is_terminated():
+                    g.fill_bitmask(bitmask, i)
+                    masked.append(i)
+            if owner is not None and depth:
+                owner.grammar.rollback(depth)
+            apply_bitmask(logits, bitmask[: len(rows)], masked)
 
         return mask
 
@@ -567,6 +689,8 @@ class LLMEngine:
         for c in group.choices:
             if not c.finished:
                 self.scheduler.finish(c.req, status)
+                if self.speculator is not None:
+                    self.speculator.forget(c.req.request_id)
                 self.tracer.on_finished(c.req.request_id, self.clock(), status.value)
                 deltas.append(final_delta(c, status))
         self._refresh_stats()
@@ -578,6 +702,9 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------
     def step(self) -> list[tuple[GroupState, RequestOutput]]:
         self.kv.poll_transfers()
+        spec = self.speculator
+        if spec is not None:
+            spec.plan(self.scheduler.running, self.config.max_num_batched_tokens)
         sched = self.scheduler.schedule()
         if self.tracer.enabled:
             self._trace_schedule(sched, self.clock())
@@ -587,13 +714,20 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         try:
-            result = self.runner.execute(sched.scheduled, self._grammar_mask)
+            draft_probs = spec.propose(sched.scheduled, self._grammar_mask) if spec else None
+            t_target = time.perf_counter()
+            result = self.runner.execute(sched.scheduled, self._grammar_mask, draft_probs)
+            t_target = time.perf_counter() - t_target
         except Exception:
             logger.exception("model step failed; ending the requests in it")
             return self._fail(sched.scheduled)
         dt = time.perf_counter() - t0
         self.scheduler.predictor.observe(sched.num_prefill_tokens, sched.num_decodes, dt)
-        self.scheduler.update_after_step(sched)
+        accepted = {rid: t.num_accepted for rid, t in result.sampled.items() if t.num_drafts}
+        rolled_back = spec.rolled_back(sched.scheduled, accepted) if spec else None
+        self.scheduler.update_after_step(sched, rolled_back)
+        if spec is not None:
+            spec.observe(sched.scheduled, accepted, t_target)
         self.kv_policies.after_step([s.req for s in sched.scheduled], result.attn_mass)
         now = self.clock()
         if self.tracer.enabled:
@@ -694,22 +828,27 @@ class LLMEngine:
             sampled = result.sampled.get(req.request_id)
             if sampled is None:
                 continue
-            token, lp = sampled
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
-            self.stats.generation_tokens += 1
             choice = group.choices[req.index]
-            delta, status = process_token(choice, token, lp)
-            if req.grammar is not None and status is None:
-                status = self._advance_grammar(req, token)
+            deltas: list[CompletionDelta] = []
+            # Accepted drafts, then the sampled token: a stop inside the run ends
+            # the request there, and the tokens after it are not emitted.
+            for token, lp in zip(sampled.token_ids, sampled.logprobs):
+                self.stats.generation_tokens += 1
+                delta, status = process_token(choice, token, lp)
+                if req.grammar is not None and status is None:
+                    status = self._advance_grammar(req, token)
+                    if status is not None:
+                        tail, _ = finish_text(choice)
+                        delta.delta_text += tail
+                        delta.finish_reason = status.value
+                deltas.append(delta)
                 if status is not None:
-                    tail, _ = finish_text(choice)
-                    delta.delta_text += tail
-                    delta.finish_reason = status.value
-            if status is not None:
-                self._finish(req, status, now)
-            per_group.setdefault(req.group_id, []).append(delta)
+                    self._finish(req, status, now)
+                    break
+            per_group.setdefault(req.group_id, []).append(merge_deltas(deltas))
 
         outputs = []
         for gid, deltas in per_group.items():
@@ -734,6 +873,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
         self.scheduler.finish(req, status)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
         self.tracer.on_finished(req.request_id, now, status.value)
         self.tracer.on_content(
             req.request_id,
@@ -753,7 +894,9 @@ class LLMEngine:
         for s in scheduled:
             rid = s.req.request_id
             if s.is_decode:
-                self.tracer.on_decode_step(rid, ms, len(scheduled))
+                sampled = result.sampled.get(rid)
+                accepted = sampled.num_accepted if sampled is not None else 0
+                self.tracer.on_decode_step(rid, ms, len(scheduled), s.num_draft_tokens, accepted)
             else:
                 if s.start == s.req.num_cached_tokens and s.req.num_cached_tokens:
                     self.tracer.on_prefix_hit(
@@ -771,6 +914,9 @@ class LLMEngine:
         The copy has its own event list, so the caller may read it after the
         engine moves on. Call it on the engine thread (``AsyncEngine.get_trace``).
         """
+        if isinstance(request_ids, str):
+            # A str is a Sequence[str] of its characters: never what the caller meant.
+            raise TypeError("get_trace takes a sequence of request ids, not one str")
         if self.traces is None:
             return None
         for rid in request_ids:
@@ -816,6 +962,12 @@ class LLMEngine:
         s.predictor_mean_rel_error = errors.mean_rel_error
         if isinstance(self.model, MoeForCausalLM):
             s.moe_layers = self.model.routing_stats()
+        if self.speculator is not None:
+            sp = self.speculator.stats
+            s.spec_decode_num_drafts = sp.num_drafts
+            s.spec_decode_draft_tokens = sp.num_draft_tokens
+            s.spec_decode_accepted_tokens = sp.num_accepted_tokens
+            s.spec_decode_accepted_per_pos = list(sp.accepted_per_pos)
 
 
 __all__ = ["EngineInfo", "LLMEngine", "StepResult"]

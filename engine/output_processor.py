@@ -100,6 +100,23 @@ def process_token(
     return delta, status
 
 
+def merge_deltas(deltas: list[CompletionDelta]) -> CompletionDelta:
+    """One choice's consecutive deltas of a step (accepted drafts) as a single delta."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    logprobs = [lp for d in deltas for lp in (d.delta_logprobs or [])]
+    return CompletionDelta(
+        index=last.index,
+        delta_text="".join(d.delta_text for d in deltas),
+        delta_token_ids=[t for d in deltas for t in d.delta_token_ids],
+        delta_logprobs=logprobs if any(d.delta_logprobs is not None for d in deltas) else None,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        num_output_tokens=last.num_output_tokens,
+    )
+
+
 def finish_text(choice: ChoiceState) -> tuple[str, bool]:
     """Text still held back when a choice ends, and whether it completed a stop string."""
     choice.finished = True

@@ -125,6 +125,9 @@ class Request:
     # request that reports them (choice 0 of a group that asked) tracks this.
     num_prompt_logprobs: int = 1
     block_ids: list[int] = field(default_factory=list)
+    # Speculative drafts the next schedule may reserve slots for (set before each
+    # step by the speculation planner; 0 without speculation).
+    num_lookahead_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # keys of the request's full blocks
     # Swap preemption: the host-tier entries (pinned for this request) holding
     # its blocks while it waits, and how many computed tokens they hold. Empty

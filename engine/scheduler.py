@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -40,21 +40,59 @@ from engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
-    """``req`` computes ``all_token_ids[start : start + num_new_tokens]`` this step."""
+    """``req`` computes ``(all_token_ids + draft_token_ids)[start : start + num_new_tokens]``.
+
+    The last ``num_draft_tokens`` of those positions are speculative: slots the
+    scheduler reserved past the request's last token (``num_lookahead_slots``
+    of them), filled by the proposer with ``set_drafts`` before the forward
+    pass and verified by it. Without speculation both are 0 and the chunk is
+    ``all_token_ids[start : start + num_new_tokens]``.
+    """
 
     req: Request
     num_new_tokens: int
     start: int
+    num_draft_tokens: int = 0
+    num_lookahead_slots: int = 0  # reserved at scheduling (blocks were allocated for them)
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_base_tokens(self) -> int:
+        """Positions of known tokens (the request's own, not drafts) in this chunk."""
+        return self.num_new_tokens - self.num_draft_tokens
 
     @property
     def is_decode(self) -> bool:
-        """One new token past the prompt: the common decode step."""
-        return self.num_new_tokens == 1 and self.start >= self.req.num_prompt_tokens
+        """Generation past the prompt: the last sampled token (and, after a fully
+        accepted draft-model run, the draft before it), plus any drafts."""
+        return (
+            self.start >= self.req.num_prompt_tokens
+            and self.completes_sequence
+            and self.num_base_tokens <= 2
+        )
 
     @property
     def completes_sequence(self) -> bool:
         """True when this chunk reaches the request's last known token (so it samples)."""
-        return self.start + self.num_new_tokens == self.req.num_tokens
+        return self.start + self.num_base_tokens == self.req.num_tokens
+
+    def set_drafts(self, drafts: Sequence[int]) -> None:
+        """Fill the reserved slots with ``drafts`` (at most ``num_lookahead_slots``); slots
+        left unfilled leave the chunk (their blocks go back after the step)."""
+        drafts = list(drafts[: self.num_lookahead_slots])
+        self.num_new_tokens = self.num_base_tokens + len(drafts)
+        self.num_draft_tokens = len(drafts)
+        self.draft_token_ids = drafts
+
+    def token_ids(self) -> list[int]:
+        """The chunk's token ids: the request's own, then drafts."""
+        req = self.req
+        end = self.start + self.num_new_tokens
+        own = req.all_token_ids[self.start : min(end, req.num_tokens)]
+        if end <= req.num_tokens:
+            return own
+        first = max(self.start - req.num_tokens, 0)
+        return own + self.draft_token_ids[first : end - req.num_tokens]
 
 
 @dataclass
@@ -254,6 +292,7 @@ class Scheduler:
 
         if not out.preempted:
             self._admit_waiting(out, budget, now)
+            self._reserve_draft_slots(out)
         for s in out.scheduled:
             if s.req.metrics.first_scheduled_time is None:
                 s.req.metrics.first_scheduled_time = now
@@ -306,6 +345,24 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
             budget -= num_new
 
+    def _reserve_draft_slots(self, out: SchedulerOutput) -> None:
+        """Slots for speculative drafts: up to ``req.num_lookahead_tokens`` past the last
+        token of each scheduled chunk that reaches it, from what budget and free blocks
+        are left once everyone else is scheduled (drafts never preempt or delay a
+        request), in scheduling order, never past ``max_model_len``."""
+        budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+        for s in out.scheduled:
+            req = s.req
+            k = min(req.num_lookahead_tokens, budget, self.max_model_len - req.num_tokens)
+            if k <= 0 or not s.completes_sequence:
+                continue
+            while k > 0 and not self.kv.allocate_slots(req, s.num_new_tokens + k):
+                k -= 1
+            if k:
+                s.num_new_tokens += k
+                s.num_draft_tokens = s.num_lookahead_slots = k
+                budget -= k
+
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """Swap ``victim`` out when the mode and the host tier allow it, else recompute."""
         self.running.discard(victim)
@@ -321,10 +378,24 @@ class Scheduler:
         self._preemption_times.append(self.clock())
         out.preempted.append(victim)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance ``num_computed_tokens`` for what ran; cache the full blocks."""
+    def update_after_step(
+        self, out: SchedulerOutput, rolled_back: Mapping[str, int] | None = None
+    ) -> None:
+        """Advance ``num_computed_tokens`` for what ran; cache the full blocks.
+
+        ``rolled_back[request_id]``: trailing positions of the request's chunk
+        whose KV is not kept (rejected drafts, or positions a draft model did
+        not compute): ``num_computed_tokens`` stops before them, and blocks
+        that hold only such slots (or reserved slots no draft filled) go back
+        to the pool. They were never hashed: only computed, full blocks are.
+        """
         for s in out.scheduled:
-            s.req.num_computed_tokens += s.num_new_tokens
+            back = rolled_back.get(s.req.request_id, 0) if rolled_back else 0
+            if not 0 <= back <= s.num_draft_tokens + 1:
+                raise ValueError(f"cannot roll back {back} positions of {s.req.request_id}")
+            s.req.num_computed_tokens += s.num_new_tokens - back
+            if s.num_lookahead_slots:
+                self.kv.free_uncomputed_blocks(s.req)
             self.kv.cache_computed_blocks(s.req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:

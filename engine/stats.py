@@ -88,9 +88,13 @@ class EngineStats:
     predictor_samples: int = 0
     predictor_mean_abs_rel_error: float = 0.0
     predictor_mean_rel_error: float = 0.0  # signed: > 0 means predictions too long
+    # Speculative decoding (vLLM's spec_decode_* counters): verifications that had
+    # drafts, draft tokens verified, drafts accepted, and accepted per draft position.
+    spec_decode_num_drafts: int = 0
     spec_decode_draft_tokens: int = 0
     spec_decode_accepted_tokens: int = 0
     # Mixture-of-Experts routing per MoE layer (empty for dense models); immutable
     # snapshots, replaced after each step.
     moe_layers: tuple[MoeLayerStats, ...] = ()
     kv_tiers: KVTierSnapshot = field(default_factory=KVTierSnapshot)
+    spec_decode_accepted_per_pos: list[int] = field(default_factory=list)

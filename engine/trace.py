@@ -48,11 +48,17 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """One decode step this request took part in, in a batch of ``batch_size`` sequences."""
+    """One decode step this request took part in, in a batch of ``batch_size`` sequences.
+
+    With speculation, ``num_draft_tokens`` drafts were verified in it and
+    ``num_accepted_tokens`` of them accepted (the step emitted one more token).
+    """
 
     kind: ClassVar[str] = "decode_step"
     duration_ms: float
     batch_size: int
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -264,9 +270,25 @@ class TraceRecorder:
             PrefillChunk(num_tokens=num_tokens, start_offset=start_offset, duration_ms=duration_ms),
         )
 
-    def on_decode_step(self, req_id: str, duration_ms: float, batch_size: int) -> None:
-        """A decode step of ``duration_ms`` shared by ``batch_size`` sequences."""
-        self.store.append(req_id, DecodeStep(duration_ms=duration_ms, batch_size=batch_size))
+    def on_decode_step(
+        self,
+        req_id: str,
+        duration_ms: float,
+        batch_size: int,
+        num_draft_tokens: int = 0,
+        num_accepted_tokens: int = 0,
+    ) -> None:
+        """A decode step of ``duration_ms`` shared by ``batch_size`` sequences (verifying
+        ``num_draft_tokens`` drafts, of which ``num_accepted_tokens`` were accepted)."""
+        self.store.append(
+            req_id,
+            DecodeStep(
+                duration_ms=duration_ms,
+                batch_size=batch_size,
+                num_draft_tokens=num_draft_tokens,
+                num_accepted_tokens=num_accepted_tokens,
+            ),
+        )
 
     def on_blocks(self, req_id: str, num_blocks: int) -> None:
         """The request now holds ``num_blocks`` KV blocks."""
@@ -357,7 +379,14 @@ class NullTraceRecorder(TraceRecorder):
     ) -> None:
         return None
 
-    def on_decode_step(self, req_id: str, duration_ms: float, batch_size: int) -> None:
+    def on_decode_step(
+        self,
+        req_id: str,
+        duration_ms: float,
+        batch_size: int,
+        num_draft_tokens: int = 0,
+        num_accepted_tokens: int = 0,
+    ) -> None:
         return None
 
     def on_blocks(self, req_id: str, num_blocks: int) -> None:

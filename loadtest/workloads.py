@@ -27,6 +27,7 @@ WORKLOADS: tuple[str, ...] = (
     "multi-turn",
     "conversations",
     "long-prompt",
+    "grounded",
 )
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -137,6 +138,36 @@ def load_questions() -> list[str]:
     """The bundled questions (comments and blank lines skipped)."""
     lines = (ln.strip() for ln in _read_data("questions.txt").splitlines())
     return [ln for ln in lines if ln and not ln.startswith("#")]
+
+
+def load_grounded_tasks() -> list[str]:
+    """The bundled input-grounded tasks (loadtest/data/grounded.txt): instruction,
+    blank line, the text the answer copies much of (rewrite, fix, continue)."""
+    tasks = []
+    for block in _read_data("grounded.txt").split("\n=====\n")[1:]:
+        instruction, _, text = block.strip("\n").partition("\n")
+        tasks.append(f"{instruction}\n\n{text}")
+    return tasks
+
+
+def grounded_sessions(n: int, opts: WorkloadOptions) -> list[Session]:
+    """``n`` single-turn sessions cycling through the grounded tasks in seeded order."""
+    tasks = load_grounded_tasks()
+    rng = random.Random(opts.seed)
+    order: list[str] = []
+    while len(order) < n:
+        batch = tasks[:]
+        rng.shuffle(batch)
+        order.extend(batch)
+    return [
+        Session(
+            turns=[t],
+            max_tokens=[opts.max_tokens],
+            temperature=opts.temperature,
+            ignore_eos=opts.ignore_eos,
+        )
+        for t in order[:n]
+    ]
 
 
 def load_system_prompt() -> str:
@@ -303,4 +334,6 @@ def build_sessions(
         return random_sessions(n_requests, opts, tokenizer)
     if name == "long-prompt":
         return long_prompt_sessions(n_requests, opts, tokenizer)
+    if name == "grounded":
+        return grounded_sessions(n_requests, opts)
     raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")

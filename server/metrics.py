@@ -148,12 +148,25 @@ class Metrics:
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
+        self.spec_decode_num_drafts = counter(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."
+        )
         self.spec_decode_draft_tokens = counter(
             "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
         )
         self.spec_decode_accepted_tokens = counter(
             "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
         )
+        # One child per draft position, created (at 0) when the engine first
+        # reports its number of speculative tokens.
+        self._spec_per_pos_family = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*labels, "position"],
+            registry=reg,
+        )
+        self._spec_per_pos: list[Counter] = []
+        self._label_values = values
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -336,9 +349,21 @@ class Metrics:
         self.latency_budget_misses.inc(
             _delta(stats.latency_budget_misses, last.latency_budget_misses)
         )
+        self.spec_decode_num_drafts.inc(
+            _delta(stats.spec_decode_num_drafts, last.spec_decode_num_drafts)
+        )
         self.spec_decode_draft_tokens.inc(
             _delta(stats.spec_decode_draft_tokens, last.spec_decode_draft_tokens)
         )
+        per_pos = stats.spec_decode_accepted_per_pos
+        while len(self._spec_per_pos) < len(per_pos):
+            position = str(len(self._spec_per_pos))
+            self._spec_per_pos.append(
+                self._spec_per_pos_family.labels(*self._label_values, position)
+            )
+        last_pos = last.spec_decode_accepted_per_pos
+        for i, total in enumerate(per_pos):
+            self._spec_per_pos[i].inc(_delta(total, last_pos[i] if i < len(last_pos) else 0))
         self.spec_decode_accepted_tokens.inc(
             _delta(stats.spec_decode_accepted_tokens, last.spec_decode_accepted_tokens)
         )
@@ -365,8 +390,10 @@ class Metrics:
             prefix_cache_hits=stats.prefix_cache_hits,
             rejections=dict(stats.rejections),
             latency_budget_misses=stats.latency_budget_misses,
+            spec_decode_num_drafts=stats.spec_decode_num_drafts,
             spec_decode_draft_tokens=stats.spec_decode_draft_tokens,
             spec_decode_accepted_tokens=stats.spec_decode_accepted_tokens,
+            spec_decode_accepted_per_pos=list(stats.spec_decode_accepted_per_pos),
         )
 
     def _update_moe(self, layers: Sequence[MoeLayerStats]) -> None:

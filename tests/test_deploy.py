@@ -450,6 +450,8 @@ def test_grafana_provisioning_is_consistent() -> None:
         "vllm:prefix_cache_hits_total",
         "vllm:num_preemptions_total",
         "fuel:admission_rejections_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_draft_tokens_total",
     ):
         assert needed in exprs, needed
     assert exprs.count("histogram_quantile") >= 9

@@ -22,6 +22,12 @@ request runs alone (the reference, prefix cache off) or:
 - ``grammar``: under a regex that allows exactly the reference text;
 - ``per_layer_decode``: decode steps layer by layer instead of the fused
   native step (modes with block-quantized linears);
+- ``spec_*``: with speculative decoding (``--speculative-config``): the
+  self-draft (the model's own weights in Q4_1 drafting), k from 1 to 5, alone,
+  batched, chunked with staggered arrivals, from a warm prefix cache and under
+  preemption (drafts must have been accepted); n-gram drafts batched and
+  chunked (default model only: the tiny model's answers never repeat their
+  context; drafts must have been verified);
 - through the server (``test_server_axes``): /v1/completions streamed and not,
   with ``echo`` and prompt logprobs, and chat streamed against not streamed.
 
@@ -191,6 +197,40 @@ def _grammar(model: Model, make: EngineFactory, ref: list[Answer]) -> list[list[
     return run_together(make, list(model.cases), params=params)
 
 
+def _ngram(k: int, adaptive: bool = False) -> dict[str, Any]:
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        "adaptive": adaptive,
+    }
+
+
+def _self_draft(k: int) -> dict[str, Any]:
+    return {"method": "draft_model", "num_speculative_tokens": k, "adaptive": False}
+
+
+def _speculated(eng: LLMEngine) -> None:
+    assert eng.speculator is not None
+    st = eng.speculator.stats
+    assert st.num_drafts > 0 and st.num_accepted_tokens > 0, "the speculation axis accepted nothing"
+
+
+def _drafts_verified(eng: LLMEngine) -> None:
+    assert eng.speculator is not None
+    assert eng.speculator.stats.num_draft_tokens > 0, "the speculation axis verified no draft"
+
+
+def _preempted_and_speculated(eng: LLMEngine) -> None:
+    _preempted(eng)
+    _speculated(eng)
+
+
+def _alone(make: EngineFactory, cases: list[Case], **settings: Any) -> list[list[Answer]]:
+    return [[a] for a in run_alone(make, cases, **settings)]
+
+
 AXES: dict[str, Axis] = {
     "batch": Axis(lambda m, make, ref: run_together(make, list(m.cases))),
     "chunked16": Axis(
@@ -255,6 +295,63 @@ AXES: dict[str, Axis] = {
             make, list(m.cases), kv_policy="h2o", kv_budget_tokens=96, max_num_batched_tokens=16
         )
     ),
+    "spec_draft_alone": Axis(
+        lambda m, make, ref: _alone(make, list(m.cases), speculative_config=_self_draft(2))
+    ),
+    "spec_draft_batch": Axis(
+        lambda m, make, ref: run_together(
+            make, list(m.cases), check=_speculated, speculative_config=_self_draft(1)
+        )
+    ),
+    "spec_draft_chunked": Axis(
+        lambda m, make, ref: run_together(
+            make,
+            list(m.cases),
+            stagger=2,
+            max_num_batched_tokens=16,
+            check=_speculated,
+            speculative_config=_self_draft(4),
+        )
+    ),
+    "spec_draft_prefix_warm": Axis(
+        lambda m, make, ref: run_warm_cache(
+            make, list(m.cases), speculative_config={**_self_draft(5), "adaptive": True}
+        ),
+        prompt_logprobs=False,
+    ),
+    "spec_draft_preempt": Axis(
+        lambda m, make, ref: run_together(
+            make,
+            list(m.cases),
+            check=_preempted_and_speculated,
+            speculative_config=_self_draft(3),
+            # Requests finish sooner with drafts (several tokens a step): a smaller
+            # cache than the preempt axis's keeps preemptions certain.
+            **{
+                **m.preempt,
+                "num_gpu_blocks_override": m.preempt["num_gpu_blocks_override"] * 2 // 3,
+            },
+        )
+    ),
+    # N-gram drafts need answers that repeat their context: the tiny random
+    # model's (49,152-token vocabulary) never do, the default model's sometimes
+    # on these random-token prompts (drafts are verified, mostly rejected; the
+    # accepting path is tests/test_spec_engine.py's, on repetitive prompts).
+    "spec_ngram_batch": Axis(
+        lambda m, make, ref: run_together(
+            make, list(m.cases), check=_drafts_verified, speculative_config=_ngram(3)
+        )
+    ),
+    "spec_ngram_chunked": Axis(
+        lambda m, make, ref: run_together(
+            make,
+            list(m.cases),
+            stagger=2,
+            max_num_batched_tokens=16,
+            check=_drafts_verified,
+            speculative_config=_ngram(5),
+        )
+    ),
 }
 # The default model is slower to load: the axes it runs.
 SMOLLM_AXES = (
@@ -269,7 +366,12 @@ SMOLLM_AXES = (
     "prefix_disk",
     "n4",
     "grammar",
+    "spec_draft_chunked",
+    "spec_ngram_batch",
+    "spec_ngram_chunked",
 )
+# Axes the tiny model cannot exercise (see their comments).
+TINY_SKIPS = ("spec_ngram_batch", "spec_ngram_chunked")
 
 # The MoE model runs the axes that change batch composition, chunking and caching.
 MOE_AXES = ("batch", "chunked16", "stagger", "prefix_warm_prompt_logprobs", "preempt", "n4")
@@ -300,7 +402,7 @@ def check_axis(model: Model, mode: str, axis: str) -> None:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("axis", list(AXES))
+@pytest.mark.parametrize("axis", [a for a in AXES if a not in TINY_SKIPS])
 def test_tiny(tiny: Model, mode: str, axis: str) -> None:
     check_axis(tiny, mode, axis)
 

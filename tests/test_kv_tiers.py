@@ -528,7 +528,7 @@ def test_engine_host_then_disk_after_restart(
     same(llm.generate(PROMPTS[:1], PARAMS), reference[:1])
     # The whole cacheable prompt came from disk: (22 - 1) // 4 blocks.
     assert fresh.kv.hits_by_tier["disk"] == 5 * BS
-    trace = fresh.get_trace(f"offline-{id(llm)}-0")
+    trace = fresh.get_trace([f"offline-{id(llm)}-0"])
     assert trace is not None
     hits = [e for e in trace.events if e.kind == "prefix_hit"]
     assert [(h.num_tokens, h.disk_tokens, h.host_tokens) for h in hits] == [(20, 20, 0)]
@@ -624,7 +624,7 @@ def test_engine_swap_matches_recompute(tiny_dir: Path, reference: list[Any], pre
     assert swap.scheduler.num_preemptions > 0
     assert swap.scheduler.num_swap_preemptions == swap.scheduler.num_preemptions
     assert swap.stats.kv_tiers.swap_ins == swap.stats.kv_tiers.swap_outs > 0
-    traces = [swap.get_trace(f"offline-{id(llm)}-{i}") for i in range(len(prompts))]
+    traces = [swap.get_trace([f"offline-{id(llm)}-{i}"]) for i in range(len(prompts))]
     modes = [e.mode for t in traces if t is not None for e in t.events if e.kind == "preempted"]
     assert len(modes) == swap.scheduler.num_preemptions and set(modes) == {"swap"}
     # Host tier too small for any victim: every preemption falls back to recompute.
@@ -734,3 +734,77 @@ def test_metrics_export_tiers_with_vllm_names() -> None:
     assert value("vllm:kv_offload_cpu_cache_usage_perc") == 0.25
     assert value("vllm:num_requests_swapped") == 1
     assert value("fuel:kv_swap_outs_total") == 2
+
+
+def test_grouped_format_round_trips_each_group() -> None:
+    """A grouped block is each group's bytes in order; write_blocks inverts read_blocks
+    for every layer of every group (here a float32 target and a float16 draft)."""
+    from engine.kv.format import GroupedKVFormat
+
+    target = PlainKVFormat(2, BS, 2, 8, torch.float32)
+    draft = PlainKVFormat(1, BS, 1, 4, torch.float16)
+    fmt = GroupedKVFormat([target, draft])
+    assert fmt.block_nbytes == target.block_nbytes + draft.block_nbytes
+    assert target.describe() in fmt.describe() and draft.describe() in fmt.describe()
+    src = fmt.allocate(6, torch.device("cpu"))
+    assert len(src) == 3
+    gen = torch.Generator().manual_seed(3)
+    for k, v in src:
+        k.copy_(torch.randn(k.shape, generator=gen).to(k.dtype))
+        v.copy_(torch.randn(v.shape, generator=gen).to(v.dtype))
+    data = fmt.read_blocks(src, torch.tensor([4, 1]))
+    # The target's part is exactly what the target format reads alone.
+    assert torch.equal(
+        data[:, : target.block_nbytes], target.read_blocks(src[:2], torch.tensor([4, 1]))
+    )
+    dst = fmt.allocate(6, torch.device("cpu"))
+    fmt.write_blocks(dst, torch.tensor([0, 5]), data)
+    for (ks, vs), (kd, vd) in zip(src, dst, strict=True):
+        assert torch.equal(kd[0], ks[4]) and torch.equal(vd[5], vs[1])
+        assert not kd[1:5].any()  # untouched blocks stay zero
+    with pytest.raises(ValueError, match="layer caches"):
+        fmt.read_blocks(src[:2], torch.tensor([0]))
+    with pytest.raises(ValueError, match="block size"):
+        GroupedKVFormat([target, PlainKVFormat(1, BS * 2, 1, 4, torch.float16)])
+
+
+def test_engine_disk_tier_carries_the_draft_cache(tiny_dir: Path, tmp_path: Path) -> None:
+    """With a draft model (its own KV layer group in the same block ids), blocks
+    served from disk after a restart bring the draft's KV back too, bit for bit."""
+    from engine.kv.format import GroupedKVFormat
+
+    tiers = {
+        "num_gpu_blocks_override": 32,
+        "num_host_blocks_override": 64,
+        "kv_offloading_disk_path": str(tmp_path / "kv"),
+        "speculative_config": {
+            "method": "draft_model",
+            "num_speculative_tokens": 2,
+            "adaptive": False,
+        },
+    }
+    eng = engine(tiny_dir, **tiers)
+    want = LLM(engine=eng).generate(PROMPTS[:1], PARAMS)
+    assert eng.transfers is not None and isinstance(eng.transfers.fmt, GroupedKVFormat)
+    fmt = eng.transfers.fmt
+    cached = {h: b.block_id for h, b in eng.kv.pool._cached.items()}
+    before = {
+        h: fmt.read_blocks(eng.transfers.caches, torch.tensor([b])) for h, b in cached.items()
+    }
+    eng.close()
+    fresh = engine(tiny_dir, **tiers)
+    same(LLM(engine=fresh).generate(PROMPTS[:1], PARAMS), want)
+    assert fresh.kv.hits_by_tier["disk"] > 0
+    assert fresh.transfers is not None
+    draft_from = fresh.transfers.fmt.groups[0].block_nbytes  # type: ignore[attr-defined]
+    compared = 0
+    for h, block in fresh.kv.pool._cached.items():
+        if h in before:
+            got = fresh.transfers.fmt.read_blocks(
+                fresh.transfers.caches, torch.tensor([block.block_id])
+            )
+            assert torch.equal(got[:, draft_from:], before[h][:, draft_from:])
+            assert got[:, draft_from:].any()  # the draft's half is really there
+            compared += 1
+    assert compared >= 5
+    fresh.close()

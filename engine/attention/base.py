@@ -6,6 +6,11 @@ concatenated into one ``[T, ...]`` tensor. Sequences are ordered so that the
 are prefill or extend chunks (query length >= 1) whose earlier context may
 already sit in the cache (chunked prefill, prefix-cache hits).
 
+Several query-length-1 sequences may share one block table with lengths
+``L + 1, L + 2, ...``: a speculative verification chunk given as rows (see
+``decode_rows_for_verification``). A backend stores every new key/value of
+the step before it attends, so each row sees the rows before it.
+
 KV cache layout, per layer: ``k_cache`` and ``v_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Slot ``s`` is
 ``block_id * block_size + offset``.
@@ -76,6 +81,11 @@ class AttentionBackend(ABC):
     # True when forward has no host syncs and no state carried between calls, so
     # a captured replay (engine/worker/cuda_graphs.py) recomputes it faithfully.
     graph_safe: bool = False
+    # True when a speculative verification chunk (a few new tokens after cached
+    # context) is cheaper as that many query-length-1 sequences over the same
+    # block table (the decode kernel reads the cache in place) than as an extend
+    # chunk; the runner then presents it so (engine/worker/model_runner.py).
+    decode_rows_for_verification: bool = True
 
     @abstractmethod
     def forward(

@@ -22,6 +22,9 @@ _CACHE_DTYPES = (torch.float32, torch.float16)
 
 class CpuNativeAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+    # The native decode kernel reads keys and values in place: verification rows
+    # cost what plain decode rows cost.
+    decode_rows_for_verification = True
 
     def __init__(self, kernels: CpuKernels) -> None:
         super().__init__()

@@ -82,6 +82,8 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     name = "torch"
+    # Decode rows gather their whole context each: one extend chunk gathers it once.
+    decode_rows_for_verification = False
 
     def __init__(self) -> None:
         self._plan: StepPlan | None = None

@@ -229,6 +229,101 @@ class PlainKVFormat(KVFormat):
             shift(k_cache, slots, old, new, table)
 
 
+class GroupedKVFormat(KVFormat):
+    """Several models' caches addressed by the same block ids, as one format.
+
+    A draft model (speculative decoding) keeps its own KV layer group in the
+    target's block ids: block ``b`` of the target and block ``b`` of the draft
+    hold the same tokens. The tiers must move both, or a block promoted from
+    host or disk would come back with the draft's half missing. A grouped
+    block's bytes are each group's bytes in order; ``caches`` is every group's
+    layers concatenated in the same order (``groups[0]``'s layers first).
+    """
+
+    name = "grouped"
+
+    def __init__(self, groups: Sequence[KVFormat]) -> None:
+        if not groups:
+            raise ValueError("a grouped KV format needs at least one group")
+        bs = {g.block_size for g in groups}
+        if len(bs) != 1:
+            raise ValueError(f"grouped KV formats must share one block size, got {sorted(bs)}")
+        first = groups[0]
+        super().__init__(
+            sum(g.num_layers for g in groups), first.block_size, first.num_kv_heads, first.head_dim
+        )
+        self.groups = tuple(groups)
+
+    @property
+    def block_nbytes(self) -> int:
+        return sum(g.block_nbytes for g in self.groups)
+
+    def _split(self, caches: LayerCaches) -> list[LayerCaches]:
+        if len(caches) != self.num_layers:
+            raise ValueError(f"got {len(caches)} layer caches, format has {self.num_layers}")
+        out, at = [], 0
+        for g in self.groups:
+            out.append(caches[at : at + g.num_layers])
+            at += g.num_layers
+        return out
+
+    def _columns(self) -> list[tuple[int, int]]:
+        cols, at = [], 0
+        for g in self.groups:
+            cols.append((at, at + g.block_nbytes))
+            at += g.block_nbytes
+        return cols
+
+    def allocate(self, num_blocks: int, device: torch.device) -> LayerCaches:
+        return [layer for g in self.groups for layer in g.allocate(num_blocks, device)]
+
+    def read_blocks(
+        self, caches: LayerCaches, block_ids: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        n = int(block_ids.shape[0])
+        parts = self._split(caches)
+        if out is None:
+            out = torch.empty((n, self.block_nbytes), dtype=torch.uint8, device=caches[0][0].device)
+        elif out.dtype != torch.uint8 or tuple(out.shape) != (n, self.block_nbytes):
+            raise ValueError(f"out must be uint8 [{n}, {self.block_nbytes}]")
+        for g, c, (a, b) in zip(self.groups, parts, self._columns()):
+            # Column slices of ``out`` are strided: each group reads into its own
+            # contiguous rows, copied into place (one copy per group per call).
+            out[:, a:b] = g.read_blocks(c, block_ids)
+        return out
+
+    def write_blocks(
+        self, caches: LayerCaches, block_ids: torch.Tensor, data: torch.Tensor
+    ) -> None:
+        n = int(block_ids.shape[0])
+        if data.dtype != torch.uint8 or tuple(data.shape) != (n, self.block_nbytes):
+            raise ValueError(
+                f"block data must be uint8 [{n}, {self.block_nbytes}], got "
+                f"{data.dtype} {tuple(data.shape)}"
+            )
+        for g, c, (a, b) in zip(self.groups, self._split(caches), self._columns()):
+            g.write_blocks(c, block_ids, data[:, a:b].contiguous())
+
+    def rerotate_keys(
+        self,
+        caches: LayerCaches,
+        block_ids: torch.Tensor,
+        old_positions: torch.Tensor,
+        new_positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> None:
+        """Every group rotated with the one ``cos_sin`` table: valid when the groups
+        share RoPE (a model and its self-draft, or a draft with the same table);
+        groups of different head sizes are refused."""
+        if len({g.head_dim for g in self.groups}) != 1:
+            raise ValueError("groups of different head sizes cannot share one RoPE table")
+        for g, c in zip(self.groups, self._split(caches)):
+            g.rerotate_keys(c, block_ids, old_positions, new_positions, cos_sin)
+
+    def describe(self) -> str:
+        return "grouped[" + "+".join(g.describe() for g in self.groups) + "]"
+
+
 _NUMPY_KV_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 
 

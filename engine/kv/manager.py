@@ -309,7 +309,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching or req.num_evicted_tokens:
             return
         bs = self.block_size
-        n_full = req.num_computed_tokens // bs
+        # Capped by the known tokens: accepted drafts are computed before they join
+        # ``all_token_ids``; their blocks are hashed on the next call.
+        n_full = min(req.num_computed_tokens, req.num_tokens) // bs
         self._update_hashes(req, n_full * bs)
         for i in range(n_full):
             block = self.pool.blocks[req.block_ids[i]]
@@ -360,6 +362,16 @@ class KVCacheManager:
         req.swapped_blocks = entries
         req.swapped_tokens = tokens_done
         return True
+
+    def free_uncomputed_blocks(self, req: Request) -> None:
+        """Give back the tail blocks past ``num_computed_tokens`` (rolled-back drafts).
+
+        They were allocated by ``req`` for this step's speculative slots, hold no
+        computed token and were never hashed, so they go straight back to the pool.
+        """
+        need = self.blocks_needed(req.num_computed_tokens)
+        while len(req.block_ids) > need:
+            self.pool.free(self.pool.blocks[req.block_ids.pop()])
 
     # ---- giving back ----------------------------------------------------
     def _free_device(self, req: Request) -> None:

@@ -17,6 +17,9 @@ faster from about 8 rows up but slower for 1-4 rows. So each packed linear
 keeps the plain weight too and picks per call by row count. Memory for
 weights doubles (the packed copy); only one copy is read per call. Measured
 by ``benchmarks/cpu_step_bench.py`` (docs/benchmarks/cpu.md).
+Speculative verification makes 2-8-row steps common:
+``benchmarks/spec_step_bench.py --min-rows 8,2`` compares the two thresholds
+(docs/benchmarks/spec-decode.md).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def onednn_packing_available() -> bool:
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with W also prepacked for oneDNN (used when rows >= ``min_rows``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = 8) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = 2) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -57,7 +60,7 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 16)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, min_rows: int = 8) -> PackedLinear:
+    def from_linear(cls, linear: nn.Linear, min_rows: int = 2) -> PackedLinear:
         return cls(linear.weight, linear.bias, min_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

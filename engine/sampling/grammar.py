@@ -131,6 +131,18 @@ class GrammarState:
         """Undo the last ``n`` accepted tokens (cheap; xgrammar keeps unlimited history)."""
         self._matcher.rollback(n)
 
+    def valid_prefix_length(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the grammar allows in a row (stopping after one
+        that terminates it); the state is left unchanged."""
+        n = 0
+        for tok in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(tok):
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return n
+
 
 class GrammarCompiler:
     """Compiles specs for one tokenizer/vocabulary, with an LRU cache. Thread safe.

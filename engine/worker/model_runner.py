@@ -15,7 +15,7 @@ capacity rerouted or dropped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,20 +26,31 @@ from engine.kv.format import KVFormat, PlainKVFormat
 from engine.models.moe_routing import RoutingContext, request_key
 from engine.models.native_step import NativeDecodeStep
 from engine.outputs import PositionLogprobs, TokenLogprob
-from engine.request import Request
-from engine.sampling.sampler import GrammarMaskFn, Sampler, SamplerOutput
+from engine.sampling.rejection import VerifyRequest, verify
+from engine.sampling.sampler import GrammarMaskFn, Sampler, SamplerOutput, SampleRow
 from engine.scheduler import ScheduledRequest
 from engine.worker.cuda_graphs import DecodeGraphs, GraphFactory
 
 # Builds the grammar mask for the rows about to be sampled (None: no constraint).
-GrammarMaskFactory = Callable[[Sequence[Request]], GrammarMaskFn | None]
+GrammarMaskFactory = Callable[[Sequence[SampleRow]], GrammarMaskFn | None]
+
+
+@dataclass
+class SampledTokens:
+    """What one request's chunk produced: ``num_accepted`` of its ``num_drafts``
+    drafts, then one sampled token (without drafts: just the sampled token)."""
+
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]
+    num_drafts: int = 0
+    num_accepted: int = 0
 
 
 @dataclass
 class StepResult:
     """Sampled tokens of the requests whose chunk reached their last token."""
 
-    sampled: dict[str, tuple[int, PositionLogprobs | None]] = field(default_factory=dict)
+    sampled: dict[str, SampledTokens] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # MoE capacity: (token slots rerouted, dropped) this step, summed over layers,
     # for the requests that had any.
@@ -79,6 +90,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # The fused native decode step (CPU), set by the engine where the model qualifies.
         self.native_step: NativeDecodeStep | None = None
+        backend = attention_backend_of(model)
+        self.split_verification = backend is not None and backend.decode_rows_for_verification
 
     def enable_decode_graphs(
         self, sizes: list[int], max_model_len: int, graph_factory: GraphFactory
@@ -103,69 +116,31 @@ class ModelRunner:
             graph_factory,
         )
 
-    def prepare(
-        self, batch: Sequence[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten ``batch`` (already ordered decodes first) into model inputs."""
-        bs = self.block_size
-        ids: list[int] = []
-        seq_idx: list[int] = []
-        starts: list[int] = []
-        qlens: list[int] = []
-        seq_lens: list[int] = []
-        qsl = [0]
-        max_blocks = 1
-        for i, s in enumerate(batch):
-            toks = s.req.all_token_ids[s.start : s.start + s.num_new_tokens]
-            ids.extend(toks)
-            seq_idx.extend([i] * s.num_new_tokens)
-            # Cache positions: a KV policy's evictions shift them below the token
-            # index (kept tokens are packed and re-rotated, engine/kv/policies/).
-            cstart = s.start - s.req.num_evicted_tokens
-            starts.append(cstart)
-            qlens.append(s.num_new_tokens)
-            seq_lens.append(cstart + s.num_new_tokens)
-            qsl.append(qsl[-1] + s.num_new_tokens)
-            max_blocks = max(max_blocks, len(s.req.block_ids))
-        table = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
-        for i, s in enumerate(batch):
-            table[i, : len(s.req.block_ids)] = torch.tensor(s.req.block_ids, dtype=torch.int32)
-        seq_idx_t = torch.tensor(seq_idx, dtype=torch.long)
-        qsl_t = torch.tensor(qsl, dtype=torch.int32)
-        # position of each flattened token = its sequence's start + offset within the chunk
-        offs = torch.arange(len(ids), dtype=torch.long) - qsl_t[:-1].long()[seq_idx_t]
-        positions = torch.tensor(starts, dtype=torch.long)[seq_idx_t] + offs
-        slots = table[seq_idx_t, positions // bs].long() * bs + positions % bs
-        num_decodes = 0
-        while num_decodes < len(qlens) and qlens[num_decodes] == 1:
-            num_decodes += 1
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=qsl_t.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            slot_mapping=slots.to(dev, non_blocking=True),
-            max_query_len=max(qlens),
-            max_seq_len=max(seq_lens),
-            num_decodes=num_decodes,
-            query_lens_cpu=qlens,
-            seq_lens_cpu=seq_lens,
-            query_start_loc_cpu=qsl,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        return input_ids, positions.to(dev, non_blocking=True), meta
+    def prepare(self, batch: Sequence[ScheduledRequest]) -> StepInputs:
+        """Flatten ``batch`` (already ordered decode rows first) into model inputs."""
+        return build_inputs(batch, self.block_size, self.device, self.split_verification)
 
     @torch.inference_mode()
     def execute(
         self,
         scheduled: Sequence[ScheduledRequest],
         grammar_mask_for: GrammarMaskFactory | None = None,
+        draft_probs: Mapping[str, torch.Tensor | None] | None = None,
     ) -> StepResult:
+        """Run the step; sample (or verify drafts) for every chunk that reaches its end.
+
+        ``draft_probs[request_id]``: the distribution each of the request's
+        drafts was drawn from (``[k, vocab]``), or None for deterministic drafts.
+        """
         # Decodes (query length 1) first: the attention contract groups them.
-        batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta = self.prepare(batch)
+        # Verification chunks (1 + k tokens) join them as rows where the backend
+        # prefers it (``as_decode_rows``), else go with the prefill/extend chunks.
+        split = self.split_verification
+        batch = sorted(scheduled, key=lambda s: not as_decode_rows(s, split))
+        inputs = self.prepare(batch)
+        input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
         hidden = None
-        routing = self._routing_context(batch, positions, meta)
+        routing = self._routing_context(batch, positions, inputs.chunk_starts)
         if any(s.req.kv_state is not None and s.req.kv_state.policy.needs_mass for s in batch):
             # The per-layer mass pass runs in the model's forward: no graph, no fused step.
             meta.attn_mass = torch.zeros(
@@ -187,37 +162,51 @@ class ModelRunner:
             for i, s in enumerate(batch):
                 result.attn_mass[s.req.request_id] = mass[i, : meta.seq_lens_cpu[i]]
         if routing is not None:
-            result.moe_capacity = _capacity_counts(batch, routing, meta)
+            result.moe_capacity = _capacity_counts(batch, routing, inputs.chunk_starts)
         sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
+        items: list[VerifyRequest] = []
         for i, s in enumerate(batch):
-            end = meta.query_start_loc_cpu[i + 1]
+            end = inputs.chunk_starts[i + 1]
             if s.completes_sequence:
-                sample_rows.append(end - 1)
-                sample_reqs.append(s.req)
+                n_rows = 1 + s.num_draft_tokens
+                sample_rows.extend(range(end - n_rows, end))
+                probs = draft_probs.get(s.req.request_id) if draft_probs else None
+                items.append(VerifyRequest(s.req, list(s.draft_token_ids), probs))
             plp = s.req.params.prompt_logprobs
             if plp is not None and s.req.wants_prompt_logprobs:
                 result.prompt_logprobs[s.req.request_id] = self._prompt_logprobs(
-                    hidden, meta.query_start_loc_cpu[i], s, plp
+                    hidden, inputs.chunk_starts[i], s, plp
                 )
-        if sample_rows:
-            logits = self.model.compute_logits(
-                hidden[torch.tensor(sample_rows, device=hidden.device)]
+        if not sample_rows:
+            return result
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+        if all(not it.draft_token_ids for it in items):
+            reqs = [it.req for it in items]
+            mask = (
+                grammar_mask_for([SampleRow(r) for r in reqs])
+                if grammar_mask_for is not None
+                else None
             )
-            mask = grammar_mask_for(sample_reqs) if grammar_mask_for is not None else None
-            out: SamplerOutput = self.sampler(logits, sample_reqs, mask)
-            for req, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs):
-                result.sampled[req.request_id] = (tok, lp)
+            out: SamplerOutput = self.sampler(logits, reqs, mask)
+            for req, tok, lp in zip(reqs, out.token_ids, out.logprobs):
+                result.sampled[req.request_id] = SampledTokens([tok], [lp])
+            return result
+        for it, v in zip(items, verify(logits, items, grammar_mask_for)):
+            result.sampled[it.req.request_id] = SampledTokens(
+                v.token_ids, v.logprobs, len(it.draft_token_ids), v.num_accepted
+            )
         return result
 
     def _routing_context(
-        self, batch: Sequence[ScheduledRequest], positions: torch.Tensor, meta: AttentionMetadata
+        self, batch: Sequence[ScheduledRequest], positions: torch.Tensor, chunk_starts: list[int]
     ) -> RoutingContext | None:
-        """The MoE capacity context of this step (None without a capacity factor)."""
+        """The MoE capacity context of this step (None without a capacity factor).
+        Keyed per batch entry (``chunk_starts``), not per attention sequence: a
+        verification chunk given as rows is still one request."""
         if self.moe_capacity_factor is None:
             return None
         keys = torch.tensor([request_key(s.req.request_id) for s in batch], dtype=torch.int64)
-        qlens = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
+        qlens = torch.diff(torch.tensor(chunk_starts, dtype=torch.int64))
         token_keys = torch.repeat_interleave(keys, qlens).to(positions.device)
         return RoutingContext(positions, token_keys, self.moe_capacity_factor)
 
@@ -256,16 +245,108 @@ class ModelRunner:
 
 
 def _capacity_counts(
-    batch: Sequence[ScheduledRequest], routing: RoutingContext, meta: AttentionMetadata
+    batch: Sequence[ScheduledRequest], routing: RoutingContext, chunk_starts: list[int]
 ) -> dict[str, tuple[int, int]]:
     """Per request: token slots the capacity rerouted / dropped this step (nonzero only)."""
     if routing.token_rerouted is None or routing.token_dropped is None:
         return {}
     per_token = torch.stack([routing.token_rerouted, routing.token_dropped], dim=1)
-    bounds = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int64)
+    bounds = torch.tensor(chunk_starts, dtype=torch.int64)
     sums = torch.cumsum(torch.cat([per_token.new_zeros(1, 2), per_token.cpu()]), dim=0)
     per_seq = (sums[bounds[1:]] - sums[bounds[:-1]]).tolist()
     return {s.req.request_id: (int(r), int(d)) for s, (r, d) in zip(batch, per_seq) if r or d}
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened model inputs.
+
+    ``chunk_starts[i]`` is the first flattened token of batch entry ``i``
+    (``chunk_starts[-1]``: the token count): with verification chunks given
+    as rows, an entry may span several attention sequences.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    chunk_starts: list[int]
+
+
+def as_decode_rows(s: ScheduledRequest, split_verification: bool) -> bool:
+    """Whether ``s`` attends as query-length-1 rows: a decode, or (when the backend
+    prefers it) a verification chunk, whose ``1 + k`` tokens then attend as ``1 + k``
+    sequences over the same block table, of lengths ``start + 1 ... start + 1 + k``.
+    That is exactly the chunk's causal attention, computed by the decode kernel
+    (the one plain decoding uses), which reads the cache in place."""
+    return s.num_new_tokens == 1 or (split_verification and s.num_draft_tokens > 0)
+
+
+def build_inputs(
+    batch: Sequence[ScheduledRequest],
+    block_size: int,
+    device: torch.device,
+    split_verification: bool = False,
+) -> StepInputs:
+    """Flatten ``batch`` into token ids, positions and metadata.
+
+    Entries that ``as_decode_rows`` must come first (the attention contract
+    groups query-length-1 sequences). Shared by the target runner and draft
+    models, which address the same block ids (each model has its own cache
+    tensors).
+    """
+    bs = block_size
+    ids: list[int] = []
+    pos: list[int] = []
+    qlens: list[int] = []
+    seq_lens: list[int] = []
+    seq_blocks: list[list[int]] = []
+    chunk_starts = [0]
+    for s in batch:
+        toks = s.token_ids()
+        ids.extend(toks)
+        # Cache positions: a KV policy's evictions put them below the token index
+        # (kept tokens are packed and re-rotated, engine/kv/policies/runtime.py).
+        start = s.start - s.req.num_evicted_tokens
+        pos.extend(range(start, start + s.num_new_tokens))
+        if s.num_new_tokens > 1 and split_verification and s.num_draft_tokens > 0:
+            for j in range(s.num_new_tokens):
+                qlens.append(1)
+                seq_lens.append(start + j + 1)
+                seq_blocks.append(s.req.block_ids)
+        else:
+            qlens.append(s.num_new_tokens)
+            seq_lens.append(start + s.num_new_tokens)
+            seq_blocks.append(s.req.block_ids)
+        chunk_starts.append(len(ids))
+    max_blocks = max(1, *(len(b) for b in seq_blocks)) if seq_blocks else 1
+    table = torch.zeros((len(seq_blocks), max_blocks), dtype=torch.int32)
+    for i, blocks in enumerate(seq_blocks):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    qsl = [0]
+    for q in qlens:
+        qsl.append(qsl[-1] + q)
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(len(qlens)), torch.tensor(qlens, dtype=torch.long)
+    )
+    positions = torch.tensor(pos, dtype=torch.long)
+    slots = table[seq_of_token, positions // bs].long() * bs + positions % bs
+    num_decodes = 0
+    while num_decodes < len(qlens) and qlens[num_decodes] == 1:
+        num_decodes += 1
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device, non_blocking=True),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+        block_tables=table.to(device, non_blocking=True),
+        slot_mapping=slots.to(device, non_blocking=True),
+        max_query_len=max(qlens),
+        max_seq_len=max(seq_lens),
+        num_decodes=num_decodes,
+        query_lens_cpu=qlens,
+        seq_lens_cpu=seq_lens,
+        query_start_loc_cpu=qsl,
+    )
+    input_ids = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+    return StepInputs(input_ids, positions.to(device, non_blocking=True), meta, chunk_starts)
 
 
 def attention_backend_of(model: Any) -> AttentionBackend | None:

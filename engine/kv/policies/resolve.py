@@ -39,6 +39,11 @@ def resolve_policy(
             server, config.kv_budget_tokens, config.num_sink_tokens, config.kv_evict_interval
         )
     name = asked.type or server
+    if name != "full" and config.speculative_config is not None:
+        raise InvalidRequestError(
+            "kv_policy is not supported with speculative decoding (--speculative-config)",
+            param="kv_policy",
+        )
     if name == "full":
         if server != "full":
             raise InvalidRequestError(
