@@ -11,30 +11,19 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.config import KVPolicyName
 from engine.outputs import RequestMetrics
 from engine.sampling.params import SamplingParams
+from engine.segments import Segment as Segment
+from engine.segments import SegmentKind as SegmentKind
 
 if TYPE_CHECKING:
     from engine.kv.host_tier import HostEntry
     from engine.kv.policies.state import KVPolicyState
-
-SegmentKind = Literal["system", "user", "assistant", "tool", "document"]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A span of the prompt's token ids, ``[start, end)``, that came from one
-    message (``turn``: the message's index in the conversation)."""
-
-    start: int
-    end: int
-    kind: SegmentKind
-    turn: int
 
 
 @dataclass(frozen=True)

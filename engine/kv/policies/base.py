@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Segment
+from engine.segments import Segment
 
 
 @dataclass

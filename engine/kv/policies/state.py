@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv.policies.base import KVPolicy
-from engine.request import Segment
+from engine.segments import Segment
 
 
 @dataclass
