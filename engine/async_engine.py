@@ -151,6 +151,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
             self._thread = None
+        if self.engine.tp is not None:  # also when the loop died: stop the other ranks
+            await asyncio.to_thread(self.engine.tp.close)
 
     @property
     def is_running(self) -> bool:
@@ -160,6 +162,11 @@ class AsyncEngine:
             and self._thread.is_alive()
             and self._dead is None
         )
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine loop died (None while it runs): it will not serve again."""
+        return None if self._dead is None else f"{type(self._dead).__name__}: {self._dead}"
 
     # ---- requests -------------------------------------------------------
     async def generate(
@@ -176,7 +183,7 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineUnavailableError("the engine is not running")
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.validate_request(prompt_token_ids, params, options or RequestOptions())
         if params.structured is not None:
             # Compiling can take a while: do it here, off the engine thread (cached there).
             await asyncio.to_thread(self.engine.compile_structured, params.structured)
@@ -277,6 +284,7 @@ class AsyncEngine:
         eng = self.engine
         try:
             while not self._stopping:
+                eng.check_health()  # a dead tensor-parallel worker ends the loop here
                 # Idle: block for the next command. Busy: take whatever is queued, then step.
                 cmd: _Add | _Abort | _Call | None
                 if eng.has_unfinished():

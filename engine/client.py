@@ -6,7 +6,8 @@ The engine's public surface, for the server and any other front end, is:
   and re-exports of what the client returns: ``EngineStats`` (with its
   ``MoeLayerStats``), ``RequestTrace``
   with its helpers, ``SAFE_TEMPLATE_KWARGS``);
-* ``engine.request.RequestOptions`` (per-request options beyond sampling);
+* ``engine.request.RequestOptions`` (per-request options beyond sampling) and its
+  ``Segment`` (a prompt's per-message token span);
 * ``engine.sampling.params`` (``SamplingParams``, ``StructuredOutputSpec``);
 * ``engine.outputs`` (``RequestOutput`` and its parts);
 * ``engine.errors`` (what ``generate`` raises, mapped to HTTP statuses by the server);
@@ -24,7 +25,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Literal, Protocol, TypeAlias, runtime_checkable
 
 from engine.outputs import RequestOutput
-from engine.request import RequestOptions
+from engine.request import RequestOptions, Segment
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
 from engine.stats import EngineStats, MoeLayerStats
 from engine.text.tokenizer import SAFE_TEMPLATE_KWARGS, ToolCallFormat
@@ -101,6 +102,21 @@ class ClientTokenizer(Protocol):
         continue_final_message: bool = False,
     ) -> list[int]: ...
 
+    def apply_chat_template_segments(
+        self,
+        messages: list[JsonObject],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[JsonObject] | None = None,
+        chat_template: str | None = None,
+        template_kwargs: JsonObject | None = None,
+        continue_final_message: bool = False,
+    ) -> tuple[list[int], tuple[Segment, ...]]:
+        """``apply_chat_template``'s ids and each message's token span (``Segment.turn``
+        is the message's index in ``messages``); no segments when the template
+        cannot render the conversation's prefixes on their own."""
+        ...
+
 
 @runtime_checkable
 class EngineClient(Protocol):
@@ -148,6 +164,12 @@ class EngineClient(Protocol):
 
     def describe(self) -> str:
         """One line for the start-up log: model, dtype, device, KV cache size."""
+        ...
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine stopped for good (its loop died, a tensor-parallel worker
+        exited); None while it can serve. The server then answers 503 and exits."""
         ...
 
     async def start(self) -> None: ...

@@ -23,6 +23,7 @@ AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
 CpuLinear = Literal["auto", "torch", "onednn", "int8", "q4_1", "q8_0"]
 CpuDecodeStep = Literal["auto", "fused", "per_layer"]
 PreemptionMode = Literal["recompute", "swap"]
+KVPolicyName = Literal["full", "streaming", "h2o", "rkv", "vote", "segmented"]
 
 
 @dataclass
@@ -116,6 +117,36 @@ class EngineConfig:
         "What happens to a preempted request's KV (vLLM's names): recompute frees it; swap "
         "parks it in the host tier when the tier has room for all of it (else recompute).",
     )
+    kv_policy: KVPolicyName = setting(
+        "full",
+        "Per-sequence KV policy (engine/kv/policies/). full: keep every token (today's "
+        "behaviour). streaming: the first --num-sink-tokens plus a recent window "
+        "(StreamingLLM). h2o: sinks, a recent window and the heavy hitters by accumulated "
+        "attention mass. rkv: attention mass and key redundancy (near-duplicates go first). "
+        "vote: recency, mass, redundancy and segment scorers vote with --kv-vote-weights. "
+        "segmented: whole prompt segments (chat turns) go, oldest and least important "
+        "first, never the system prompt or the newest user turn. Every policy but full "
+        "keeps at most --kv-budget-tokens (+ --kv-evict-interval) tokens at cache "
+        "positions, re-rotating kept keys, so a request may run past --max-model-len.",
+    )
+    kv_budget_tokens: int | None = setting(
+        None, "Per-sequence KV budget in tokens (required by every policy but full).", minimum=2
+    )
+    num_sink_tokens: int = setting(
+        4, "Attention-sink tokens a KV policy always keeps (the sequence's first).", minimum=0
+    )
+    kv_evict_interval: int = setting(
+        16,
+        "Tokens a sequence's cache may grow past --kv-budget-tokens before the policy evicts "
+        "back to the budget (amortises the compaction; a prompt is prefilled in chunks of at "
+        "most this many tokens once its cache is full).",
+        minimum=1,
+    )
+    kv_vote_weights: str = setting(
+        "recency=1,mass=1,redundancy=0.5,segment=0.5",
+        "Weights of the vote policy's scorers (recency, mass, redundancy, segment), "
+        "name=weight comma-separated.",
+    )
     max_num_seqs: int = setting(64, "Most sequences in one batch.", minimum=1)
     max_num_batched_tokens: int = setting(2048, "Most tokens in one step.", minimum=1)
     enable_chunked_prefill: bool = setting(True, "Split long prefills across steps.")
@@ -169,6 +200,22 @@ class EngineConfig:
         "passes through on the residual (default: no limit, exact routing).",
         minimum=0.01,
     )
+    tensor_parallel_size: int = setting(
+        1,
+        "Tensor-parallel ranks (vLLM's flag): N processes on torch.distributed (gloo on the "
+        "CPU, NCCL on CUDA), each with 1/N of the attention heads, KV heads, MLP width and "
+        "vocabulary. Needs heads, KV heads and the MLP width divisible by N; dense models "
+        "only; no host KV tier; decode steps per layer (no fused native step, no CUDA "
+        "graphs). On the CPU --kv-cache-memory is the total over the ranks; on CUDA "
+        "--num-gpu-blocks-override is required.",
+        minimum=1,
+    )
+    tp_timeout_s: float = setting(
+        60.0,
+        "Tensor parallelism: the longest any collective may wait for the other ranks "
+        "before the step fails and the engine stops.",
+        minimum=0.1,
+    )
     debug_invariants: bool = setting(False, "Check scheduler/KV invariants every step (slow).")
     max_logprobs: int = setting(20, "Largest logprobs/top_logprobs accepted.", minimum=0)
     enable_request_traces: bool = setting(False, "Record per-request traces.")
@@ -196,6 +243,32 @@ class EngineConfig:
                 "--kv-offloading-disk-path needs the host tier (--kv-offloading-size > 0): "
                 "blocks reach the disk tier through it"
             )
+        if self.tensor_parallel_size > 1 and host:
+            raise ValueError(
+                "--tensor-parallel-size > 1 with a host KV tier (--kv-offloading-size / "
+                "--num-host-blocks-override) is not supported: the tier copies rank 0's cache only"
+            )
+        if self.tensor_parallel_size > 1 and self.cpu_decode_step == "fused":
+            raise ValueError(
+                "--cpu-decode-step fused cannot run tensor-parallel (its single native call has "
+                "no all-reduce); use auto or per_layer"
+            )
+        if self.tensor_parallel_size > 1 and self.kv_policy != "full":
+            raise ValueError(
+                f"--kv-policy {self.kv_policy} cannot run tensor-parallel yet (compaction "
+                "moves rank 0's cache only)"
+            )
+        if self.kv_policy != "full" and self.speculative_config is not None:
+            # Not built: drafts and evictions would both move num_kv_tokens in one
+            # step (a rejected draft rolls back slots a compaction may have moved).
+            raise ValueError(
+                f"--kv-policy {self.kv_policy} cannot run with --speculative-config yet"
+            )
+        if self.kv_policy != "full" and self.kv_budget_tokens is None:
+            raise ValueError(f"--kv-policy {self.kv_policy} needs --kv-budget-tokens")
+        if self.kv_budget_tokens is not None and self.num_sink_tokens >= self.kv_budget_tokens:
+            raise ValueError("--num-sink-tokens must be below --kv-budget-tokens")
+        parse_vote_weights(self.kv_vote_weights)
         if self.preemption_mode == "swap" and not host:
             raise ValueError(
                 "--preemption-mode swap needs the host tier (--kv-offloading-size > 0)"
@@ -231,6 +304,13 @@ class EngineConfig:
                 f"--kivi-group-size {g} (got {self.block_size}); pass --block-size 256 (the "
                 "block size the compression ratios in docs/benchmarks/kv-compression.md use)"
             )
+        if self.tensor_parallel_size > 1 or self.kv_policy != "full":
+            # TP ranks build plain caches; KV policies read attention mass the
+            # KIVI read paths do not produce and compact blocks in place.
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} with --tensor-parallel-size > 1 or "
+                "a --kv-policy other than full is not built"
+            )
         if r is not None and r != g:
             raise ValueError(
                 f"--kivi-residual-length {r}: only one group ({g}) is built: a longer "
@@ -239,6 +319,36 @@ class EngineConfig:
             )
 
     @property
+    def vote_weights(self) -> dict[str, float]:
+        """``--kv-vote-weights`` parsed (validated in ``__post_init__``)."""
+        return parse_vote_weights(self.kv_vote_weights)
+
+    @property
     def host_tier_enabled(self) -> bool:
         """Whether a host KV tier is configured (by size or block count)."""
         return self.kv_offloading_size > 0 or self.num_host_blocks_override is not None
+
+
+VOTE_SCORERS = ("recency", "mass", "redundancy", "segment")
+
+
+def parse_vote_weights(text: str) -> dict[str, float]:
+    """``"recency=1,mass=0.5"`` -> ``{"recency": 1.0, "mass": 0.5}`` (ValueError on bad input)."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep or name not in VOTE_SCORERS:
+            raise ValueError(
+                f"--kv-vote-weights: {part.strip()!r} is not name=weight with a name in "
+                f"{', '.join(VOTE_SCORERS)}"
+            )
+        try:
+            w = float(value)
+        except ValueError:
+            raise ValueError(f"--kv-vote-weights: {value!r} is not a number") from None
+        if not w >= 0.0 or w == float("inf"):
+            raise ValueError(f"--kv-vote-weights: weight of {name} must be finite and >= 0")
+        out[name] = w
+    if not any(out.values()):
+        raise ValueError("--kv-vote-weights: at least one weight must be positive")
+    return out

@@ -43,3 +43,8 @@ class EngineUnavailableError(EngineError):
     def __init__(self, message: str, retry_after: float = 5.0):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class WorkerDiedError(EngineUnavailableError):
+    """A tensor-parallel worker died or a step across the ranks failed: the engine
+    cannot go on (health 503, the server exits non-zero)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from engine.attention.base import AttentionBackend
 from engine.attention.cpu_backend import CpuNativeAttentionBackend
 from engine.attention.registry import get_attention_backend
 from engine.config import EngineConfig
@@ -29,8 +30,10 @@ from engine.kv.format import GroupedKVFormat, KVFormat, PlainKVFormat
 from engine.kv.hierarchy import KVHierarchy
 from engine.kv.kivi_format import KiviKVFormat
 from engine.kv.manager import KVCacheManager
+from engine.kv.policies.resolve import KVPolicySpec, resolve_policy
+from engine.kv.policies.runtime import KVPolicyRuntime
 from engine.kv.transfer import KVTransferExecutor
-from engine.models.linear import LinearStrategy, make_linear_strategy
+from engine.models.linear import LinearChoice, LinearStrategy, make_linear_strategy
 from engine.models.loader import (
     linear_weight_type,
     load_model,
@@ -50,6 +53,8 @@ from engine.output_processor import (
     process_token,
 )
 from engine.outputs import CompletionDelta, RequestOutput
+from engine.parallel.executor import TensorParallelModel, TPExecutor, build_rank_model
+from engine.parallel.sharding import ShardSpec, check_tensor_parallel
 from engine.request import Request, RequestOptions, RequestStatus
 from engine.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
@@ -157,6 +162,7 @@ class EngineInfo:
     decode_step: str = "per_layer"
     kv_cache_format: str | None = None  # a quantized format's name (kivi4/kivi2)
     kv_bytes_per_token: float = 0.0
+    kv_policy: str = "full"
 
     def execution(self) -> dict[str, str]:
         """The execution path, as served in ``/v1/models`` (``fuel`` field) and logged."""
@@ -168,6 +174,7 @@ class EngineInfo:
             or str(self.kv_cache_dtype).removeprefix("torch."),
             "attention": self.attention,
             "decode_step": self.decode_step,
+            "kv_policy": self.kv_policy,
         }
 
     num_host_blocks: int = 0
@@ -220,21 +227,29 @@ class LLMEngine:
                 f"--moe-capacity-factor needs a Mixture-of-Experts model; {mc.architecture} is dense"
             )
         backend = get_attention_backend(config.attention_backend, device)
+        # Tensor parallelism (engine/parallel/): the worker ranks, rank 0's shard.
+        self.tp: TPExecutor | None = None
         # Any: the model class comes from the registry (LlamaForCausalLM-like).
-        model: Any = load_model(path, mc, backend, dtype, device)
-        choice = make_linear_strategy(
-            config.cpu_linear,
-            device=device,
-            dtype=dtype,
-            weight_type=linear_weight_type(path),
-            kernels=lambda: _native_kernels(backend),
-        )
+        model: Any
+        if config.tensor_parallel_size > 1:
+            model, choice, backend = self._start_tensor_parallel(path, device, dtype)
+        else:
+            model = load_model(path, mc, backend, dtype, device)
+            choice = make_linear_strategy(
+                config.cpu_linear,
+                device=device,
+                dtype=dtype,
+                weight_type=linear_weight_type(path),
+                kernels=lambda: _native_kernels(backend),
+            )
+            choice.strategy.apply(model)
         self.linear_strategy: LinearStrategy = choice.strategy
-        self.linear_strategy.apply(model)
         _return_freed_memory()
         if isinstance(backend, CpuNativeAttentionBackend) and dtype == torch.float32:
             # The native CPU backend also brings fused norm/RoPE/SiLU ops (same library).
             model.set_ops(NativeCpuModelOps(backend.kernels))
+        if self.tp is not None:
+            model = TensorParallelModel(model, self.tp, mc.vocab_size)
         self.model = model
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, device, dtype, backend)
         kv_format = self._kv_format(kv_dtype)
@@ -263,6 +278,7 @@ class LLMEngine:
             kv_cache_dtype=kv_dtype,
             attention=self.model_backend_name(),
             decode_step=decode_step,
+            kv_policy=config.kv_policy,
             num_host_blocks=hierarchy.host.capacity_blocks if hierarchy is not None else 0,
             disk_tier_path=(
                 str(hierarchy.disk.root) if hierarchy is not None and hierarchy.disk else None
@@ -309,9 +325,11 @@ class LLMEngine:
         cfg = self.config
         mc = self.model_config
         name = cfg.kv_cache_dtype
+        # Under tensor parallelism each rank holds the cache of its KV heads only.
+        kv_heads = mc.num_key_value_heads // cfg.tensor_parallel_size
         if not name.startswith("kivi"):
             return PlainKVFormat(
-                mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
+                mc.num_hidden_layers, cfg.block_size, kv_heads, mc.head_dim, kv_dtype
             )
         try:
             return KiviKVFormat(
@@ -324,6 +342,27 @@ class LLMEngine:
             )
         except ValueError as e:
             raise ValueError(f"--kv-cache-dtype {name}: {e}") from e
+
+    def _start_tensor_parallel(
+        self, path: Path, device: torch.device, dtype: torch.dtype
+    ) -> tuple[Any, LinearChoice, AttentionBackend]:
+        """Spawn the worker ranks and build rank 0's shard (engine/parallel/executor.py)."""
+        cfg = self.config
+        check_tensor_parallel(self.model_config, cfg.tensor_parallel_size)
+        if device.type == "cuda" and cfg.num_gpu_blocks_override is None:
+            raise ValueError(
+                "--tensor-parallel-size > 1 on CUDA needs --num-gpu-blocks-override (the "
+                "memory profile does not run across the ranks yet)"
+            )
+        self.tp = TPExecutor.start(cfg, path, device, dtype)
+        try:
+            spec = ShardSpec(self.model_config, 0, cfg.tensor_parallel_size)
+            return build_rank_model(
+                cfg, path, self.model_config, spec, self.tp.group, device, dtype
+            )
+        except BaseException:
+            self.tp.close()
+            raise
 
     def _build_kv(
         self,
@@ -346,6 +385,7 @@ class LLMEngine:
         cfg = self.config
         mc = self.model_config
         kv_dtype = kv_format.dtype if isinstance(kv_format, PlainKVFormat) else dtype
+        kv_heads = kv_format.num_kv_heads  # this rank's (tensor parallelism)
         draft_format = proposer.kv_format(cfg.block_size) if proposer is not None else None
         tier_format: KVFormat = (
             kv_format if draft_format is None else GroupedKVFormat([kv_format, draft_format])
@@ -368,7 +408,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model,
             mc.num_hidden_layers,
-            mc.num_key_value_heads,
+            kv_heads,
             mc.head_dim,
             num_blocks,
             cfg.block_size,
@@ -377,10 +417,21 @@ class LLMEngine:
             cfg.moe_capacity_factor,
             kv_format,
         )
+        if cfg.kv_policy != "full" and not hasattr(self.model.model, "rotary_emb"):
+            raise ValueError(f"--kv-policy {cfg.kv_policy} needs a RoPE model (it re-rotates keys)")
+        self.kv_policies = KVPolicyRuntime(
+            cfg,
+            self.kv,
+            kv_format,
+            self.runner.kv_caches,
+            lambda: self.model.model.rotary_emb.cos_sin_cache,
+        )
         caches = list(self.runner.kv_caches)
         if proposer is not None:
             proposer.allocate_cache(num_blocks, cfg.block_size)
             caches += proposer.cache_tensors()
+        if self.tp is not None:
+            self.tp.init_kv(num_blocks, cfg.block_size, kv_dtype)
         self.transfers: KVTransferExecutor | None = None
         if hierarchy is not None:
             self.transfers = KVTransferExecutor(tier_format, caches, hierarchy, device)
@@ -392,7 +443,7 @@ class LLMEngine:
         if self.runner.graphs is not None:
             return "cuda_graphs"
         choice = self.config.cpu_decode_step
-        if device.type != "cpu" or choice == "per_layer":
+        if device.type != "cpu" or choice == "per_layer" or self.tp is not None:
             return "per_layer"
         try:
             self.runner.native_step = NativeDecodeStep.build(self.model, self.runner.kv_caches)
@@ -529,6 +580,7 @@ class LLMEngine:
             f"kv_tokens={i.num_blocks * i.block_size} max_model_len={i.max_model_len} "
             + " ".join(f"{k}={v}" for k, v in i.execution().items() if k not in ("device", "dtype"))
             + f" host_kv_blocks={i.num_host_blocks} disk_kv_tier={i.disk_tier_path or 'off'}"
+            + f" tensor_parallel_size={self.config.tensor_parallel_size}"
             + (f" speculation={self._describe_speculation()}" if self.speculator else "")
         )
 
@@ -613,8 +665,22 @@ class LLMEngine:
         return mask
 
     # ---- requests -----------------------------------------------------
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Checks that need no engine state (safe from any thread)."""
+    def validate_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, options: RequestOptions
+    ) -> KVPolicySpec | None:
+        """``validate`` under the request's KV policy (resolved here: the server's
+        ``--kv-policy`` narrowed by ``options.kv_policy``; None is ``full``).
+        Safe from any thread."""
+        spec = resolve_policy(self.config, options.kv_policy, self.info.max_model_len)
+        self.validate(prompt_token_ids, params, windowed=spec is not None)
+        return spec
+
+    def validate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, windowed: bool = False
+    ) -> None:
+        """Checks that need no engine state (safe from any thread). ``windowed``:
+        the request runs under a KV policy, which keeps its cache within the
+        context whatever the prompt and output lengths (no context check)."""
         try:
             params.validate(vocab_size=self.model_config.vocab_size)
         except ValueError as e:
@@ -630,7 +696,7 @@ class LLMEngine:
         max_len = self.info.max_model_len
         n = len(prompt_token_ids)
         want = params.max_tokens or 0
-        if n + want > max_len or n >= max_len:
+        if not windowed and (n + want > max_len or n >= max_len):
             raise InvalidRequestError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
                 f"{n + want} tokens ({n} in the prompt, {want} in the completion). "
@@ -652,7 +718,9 @@ class LLMEngine:
         """Queue the n choices of one request. Raises InvalidRequestError / RequestRejectedError."""
         if group_id in self.groups:
             raise InvalidRequestError(f"request id {group_id!r} is already in use")
-        self.validate(prompt_token_ids, params)
+        spec = self.validate_request(prompt_token_ids, params, options)
+        if spec is not None:
+            self.kv_policies.new_state(spec, options.segments)  # refuses what cannot fit
         now = self.clock() if arrival_time is None else arrival_time
         reqs: list[Request] = []
         for i in range(params.n):
@@ -681,6 +749,11 @@ class LLMEngine:
             )
         for r in reqs[1:]:
             r.prefix_source = reqs[0]
+        if spec is not None:
+            for r in reqs:
+                r.kv_state = self.kv_policies.new_state(spec, options.segments)
+                r.kv_cap = r.kv_state.cap
+                r.max_model_len = 1 << 62  # positions stay in the cache: no context limit
         if params.structured is not None:
             for r in reqs:
                 r.grammar = self.grammar.new_state(params.structured)
@@ -741,7 +814,11 @@ class LLMEngine:
             t_target = time.perf_counter()
             result = self.runner.execute(sched.scheduled, self._grammar_mask, draft_probs)
             t_target = time.perf_counter() - t_target
-        except Exception:
+        except Exception as e:
+            if self.tp is not None:
+                # The ranks may be out of step now: tensor-parallel steps cannot fail alone.
+                self.tp.fail(f"tensor-parallel step failed: {type(e).__name__}: {e}")
+                self.tp.check_alive()
             logger.exception("model step failed; ending the requests in it")
             return self._fail(sched.scheduled)
         dt = time.perf_counter() - t0
@@ -751,6 +828,7 @@ class LLMEngine:
         self.scheduler.update_after_step(sched, rolled_back)
         if spec is not None:
             spec.observe(sched.scheduled, accepted, t_target)
+        self.kv_policies.after_step([s.req for s in sched.scheduled], result.attn_mass)
         now = self.clock()
         if self.tracer.enabled:
             self._trace_step(sched, dt, result)
@@ -790,15 +868,24 @@ class LLMEngine:
         self._refresh_stats()
         return n
 
+    def check_health(self) -> None:
+        """Raise ``WorkerDiedError`` when the engine cannot step any more (a tensor-parallel
+        worker died). Cheap; the async engine calls it on every loop turn."""
+        if self.tp is not None:
+            self.tp.check_alive()
+
     def close(self) -> None:
         """Flush the KV tiers and stop their disk writer thread. Call it when done
         with an engine that has a disk tier (``AsyncEngine.shutdown`` does): the
         writer is a daemon thread, and what it has not written yet is lost at
         exit otherwise. Idempotent; the engine stays usable (without
-        write-through)."""
+        write-through), except under tensor parallelism, where it also stops the
+        worker ranks (call it when done with such an engine)."""
         self.flush_kv_tiers()
         if self.kv.hierarchy is not None:
             self.kv.hierarchy.close()
+        if self.tp is not None:
+            self.tp.close()
 
     def rerotate_blocks(
         self, block_ids: Sequence[int], new_positions: Sequence[Sequence[int]]
@@ -811,6 +898,8 @@ class LLMEngine:
         segment reuse). Only a block one request owns may move: a block in the
         prefix cache is shared at its own positions (raises ValueError).
         """
+        if self.tp is not None:
+            raise ValueError("re-rotating KV blocks is not tensor-parallel (rank 0's cache only)")
         bs = self.config.block_size
         blocks: list[KVBlock] = [self.kv.pool.blocks[b] for b in block_ids]
         for b, pos in zip(blocks, new_positions):

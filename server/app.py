@@ -44,6 +44,7 @@ def build_app(
     *,
     engine_factory: Callable[[], EngineClient] | None = None,
     on_load_failure: Callable[[str], None] | None = None,
+    on_fatal: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """Build the app around ``engine`` (started in the lifespan).
 
@@ -53,6 +54,9 @@ def build_app(
     If building or starting the engine fails, ``on_load_failure(reason)`` is
     called with one line saying why (the CLI then exits non-zero); without it
     the app logs the traceback and keeps answering 503 with the reason.
+    Once running, an engine that fails for good (``fatal_error``: its loop died,
+    a tensor-parallel worker exited) turns ``/health`` 503 and, within half a
+    second, ``on_fatal(reason)`` is called (the CLI then exits non-zero).
     """
     if engine is None and engine_factory is None:
         raise ValueError("build_app needs an engine or an engine_factory")
@@ -70,6 +74,7 @@ def build_app(
             state.metrics.set_cache_config(built.cache_config)
             logger.info("engine ready: %s", built.describe())
             state.engine = built
+            watchers.append(asyncio.ensure_future(watch(built)))
         except Exception as exc:
             # One line: the reason goes to /health, the log and the CLI's exit message.
             state.load_error = " ".join(f"{type(exc).__name__}: {exc}".split())
@@ -78,6 +83,15 @@ def build_app(
                 return
             logger.debug("engine failed to load", exc_info=True)
             on_load_failure(state.load_error)
+
+    watchers: list[asyncio.Task[None]] = []
+
+    async def watch(built: EngineClient) -> None:
+        while built.fatal_error is None:
+            await asyncio.sleep(0.5)
+        logger.error("the engine failed: %s", built.fatal_error)
+        if on_fatal is not None:
+            on_fatal(built.fatal_error)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -92,6 +106,8 @@ def build_app(
             state.front.draining = True
             if loader is not None and not loader.done():
                 loader.cancel()
+            for task in watchers:
+                task.cancel()
             if state.engine is not None:
                 await state.engine.shutdown()
 

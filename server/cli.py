@@ -227,11 +227,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         failures.append(reason)
         server.should_exit = True
 
+    def engine_failed(reason: str) -> None:
+        # A running engine that failed for good (a dead tensor-parallel worker): exit 1.
+        fatal.append(reason)
+        server.should_exit = True
+
+    fatal: list[str] = []
     app = build_app(
         None,
         server_cfg,
         engine_factory=lambda: AsyncEngine(engine_cfg),
         on_load_failure=load_failed,
+        on_fatal=engine_failed,
     )
     config = uvicorn.Config(
         app,
@@ -245,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.run()
     if failures:
         sys.stderr.write(f"fuel-serve: error: the model could not be loaded: {failures[0]}\n")
+        return 1
+    if fatal:
+        sys.stderr.write(f"fuel-serve: error: the engine failed: {fatal[0]}\n")
         return 1
     return 0 if server.started else 1
 

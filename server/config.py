@@ -21,6 +21,8 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "consistent_hash", "random"]
 # The shipped tool-call parsers (server/tool_parsers/), named as vLLM names them.
 ToolParserName = Literal["hermes", "llama3_json", "mistral"]
+# What a chat whose rendered messages exceed the context gets (server/context_compression.py).
+ContextCompression = Literal["off", "auto"]
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerConfig", "parse_bytes"]
 
@@ -56,6 +58,17 @@ class ServerConfig:
         None,
         "Let the model decide to call tools (tool_choice=auto). Default: on when the chat "
         "template has a known tool-call format (or --tool-call-parser is given).",
+    )
+    context_compression: ContextCompression = setting(
+        "off",
+        "A chat whose messages (plus max_tokens) exceed the context: 'off' answers 400 "
+        "context_length_exceeded; 'auto' drops whole earlier turns (never system messages "
+        "or the newest turn) until it fits. A request's 'truncation' overrides it.",
+    )
+    context_compression_reserve: int = setting(
+        256,
+        "Tokens context compression leaves for the answer of a request without max_tokens.",
+        minimum=1,
     )
     enable_debug_endpoints: bool = setting(False, "Expose GET /debug/engine (engine stats).")
     uvicorn_log_level: LogLevel = setting("info", "Log level.")

@@ -9,11 +9,16 @@ vocabulary here, before anything reaches the engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
 
 from engine.client import SAFE_TEMPLATE_KWARGS, EngineClient, JsonObject, JsonValue
 from engine.errors import InvalidRequestError
+from engine.request import Segment
 from server.errors import ApiError
+
+_T = TypeVar("_T")
 
 
 def template_kwargs(kwargs: Mapping[str, JsonValue] | None) -> JsonObject | None:
@@ -29,6 +34,15 @@ def template_kwargs(kwargs: Mapping[str, JsonValue] | None) -> JsonObject | None
                 param="chat_template_kwargs",
             )
     return dict(kwargs)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered chat: its token ids and each message's span (``Segment.turn`` indexes
+    the messages as the client sent them, also after context compression)."""
+
+    token_ids: list[int]
+    segments: tuple[Segment, ...]
 
 
 async def render_chat(
@@ -55,6 +69,48 @@ async def render_chat(
             )
         )
 
+    return await _off_loop(run)
+
+
+async def render_chat_prompt(
+    engine: EngineClient,
+    messages: list[JsonObject],
+    add_generation_prompt: bool,
+    kwargs: JsonObject | None,
+    tools: list[JsonObject] | None = None,
+    continue_final_message: bool = False,
+    with_segments: bool = True,
+) -> ChatPrompt:
+    """``render_chat`` with each message's token span (``RequestOptions.segments``).
+
+    Spans cost one template render per message prefix (quadratic in the
+    conversation's length: docs/benchmarks/context-compression.md), so a caller
+    that needs none passes ``with_segments=False`` and gets ``segments=()``."""
+
+    def run() -> ChatPrompt:
+        if not with_segments:
+            plain = engine.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                template_kwargs=kwargs,
+                continue_final_message=continue_final_message,
+            )
+            return ChatPrompt(list(plain), ())
+        ids, segments = engine.tokenizer.apply_chat_template_segments(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=kwargs,
+            continue_final_message=continue_final_message,
+        )
+        return ChatPrompt(list(ids), segments)
+
+    return await _off_loop(run)
+
+
+async def _off_loop(run: Callable[[], _T]) -> _T:
+    """Run a template render in a thread; its errors are the request's fault (400)."""
     try:
         return await asyncio.to_thread(run)
     except (InvalidRequestError, ApiError):

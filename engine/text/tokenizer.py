@@ -16,6 +16,7 @@ Contracts:
 
 from __future__ import annotations
 
+import bisect
 import copy
 import hashlib
 import json
@@ -37,6 +38,19 @@ import jinja2.sandbox
 import tokenizers
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.request import Segment, SegmentKind
+
+# The segment kind of each chat role (engine.request.Segment); other roles are "user".
+_SEGMENT_KINDS: dict[str, SegmentKind] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "ipython": "tool",
+}
 
 # Tool-call formats (the names of vLLM's parsers; mistral_v11 is Mistral's
 # ``[TOOL_CALLS]name[ARGS]{...}`` format from tokenizer v11 on).
@@ -517,7 +531,11 @@ class Tokenizer:
         template_kwargs: dict[str, Any] | None,
         escaper: _Escaper,
         continue_final_message: bool = False,
+        prepared: bool = False,
     ) -> str:
+        """The rendered, still escaped, text. ``prepared``: ``messages`` come from
+        ``_prepare_messages`` with this ``escaper`` (copied, joined and escaped once
+        for many renders of their prefixes)."""
         source = chat_template if chat_template is not None else self._chat_template
         if source is None:
             raise ValueError("this model has no chat template; pass one (--chat-template)")
@@ -529,13 +547,7 @@ class Tokenizer:
             raise ValueError(
                 f"chat_template_kwargs may not set {bad}; allowed: {sorted(SAFE_TEMPLATE_KWARGS)}"
             )
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise ValueError("messages must be a list of objects")
-        msgs = [dict(m) for m in copy.deepcopy(messages)]
-        for m in msgs:
-            if "content" in m:
-                m["content"] = _content_text(m["content"])
-        msgs = escaper.escape(msgs)
+        msgs = messages if prepared else self._prepare_messages(messages, escaper)
         esc_tools = escaper.escape(tools) if tools else None
         if not self._template_uses_tools(source):
             msgs = _to_hermes(msgs, esc_tools)
@@ -563,6 +575,18 @@ class Tokenizer:
             # msgs[-1]["content"] is escaped like the rendered text, so it is found as is.
             text = _cut_after_final_message(text, msgs[-1].get("content"))
         return text
+
+    @staticmethod
+    def _prepare_messages(messages: list[dict[str, Any]], escaper: _Escaper) -> list[Any]:
+        """Private copies of ``messages`` with text-part content joined and escaped."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages must be a list of objects")
+        msgs = [dict(m) for m in copy.deepcopy(messages)]
+        for m in msgs:
+            if "content" in m:
+                m["content"] = _content_text(m["content"])
+        escaped: list[Any] = escaper.escape(msgs)
+        return escaped
 
     def _new_escaper(self, messages: Any, tools: Any) -> _Escaper:
         blob = repr(messages) + repr(tools)
@@ -630,20 +654,143 @@ class Tokenizer:
             escaper=escaper,
             continue_final_message=continue_final_message,
         )
+        return self._tokenize_rendered(text, escaper)[0]
+
+    def apply_chat_template_segments(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+    ) -> tuple[list[int], tuple[Segment, ...]]:
+        """``apply_chat_template``'s token ids (the same ids) and each message's span.
+
+        Segment ``k`` covers the tokens message ``k`` added to the rendered prompt:
+        the characters from the end of the conversation rendered up to message
+        ``k - 1`` to the end of the conversation rendered up to message ``k``
+        (each without a generation prompt), found as the longest common prefix
+        of that render with the full one, so a template whose last message
+        renders differently (a merged tool turn still open, a cut final message)
+        still splits where the renders agree. Message 0's span starts at token 0
+        (it takes the template's preamble: BOS, a default system prompt). Tokens
+        after the last message (the generation prompt) belong to no segment.
+        Segments are in order, disjoint and non-empty (a message that rendered
+        no token has none). Character boundaries map to tokens by the
+        tokenizer's offsets: a token belongs to the span its first character
+        is in. When a prefix of the conversation cannot be rendered on its own
+        (a template that refuses it), no segments are returned. Costs one
+        template render per message (O(n^2) characters for n messages), kept
+        off the event loop by the caller.
+        """
+        escaper = self._new_escaper(messages, tools)
+        text = self._render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template=chat_template,
+            template_kwargs=template_kwargs,
+            escaper=escaper,
+            continue_final_message=continue_final_message,
+        )
+        ids, starts = self._tokenize_rendered(text, escaper)
+        bounds = self._message_bounds(
+            messages, text, tools, chat_template, template_kwargs, escaper
+        )
+        if bounds is None:
+            return ids, ()
+        segments: list[Segment] = []
+        begin = 0
+        for turn, end_char in enumerate(bounds):
+            # The first token starting at or after the boundary opens the next span.
+            end = bisect.bisect_left(starts, end_char)
+            if end > begin:
+                role = messages[turn].get("role")
+                kind = _SEGMENT_KINDS.get(role if isinstance(role, str) else "", "user")
+                segments.append(Segment(begin, end, kind, turn))
+                begin = end
+        return ids, tuple(segments)
+
+    def _message_bounds(
+        self,
+        messages: list[dict[str, Any]],
+        text: str,
+        tools: list[dict[str, Any]] | None,
+        chat_template: str | None,
+        template_kwargs: dict[str, Any] | None,
+        escaper: _Escaper,
+    ) -> list[int] | None:
+        """Character offset in ``text`` where each message's rendering ends (None: unknown)."""
+        bounds: list[int] = []
+        last = 0
+        prepared = self._prepare_messages(messages, escaper)  # once, not per prefix
+        for k in range(1, len(messages) + 1):
+            try:
+                part = self._render(
+                    prepared[:k],
+                    add_generation_prompt=False,
+                    tools=tools,
+                    chat_template=chat_template,
+                    template_kwargs=template_kwargs,
+                    escaper=escaper,
+                    prepared=True,
+                )
+            except ValueError:
+                return None
+            last = max(last, _common_prefix_len(part, text))
+            bounds.append(last)
+        return bounds
+
+    def _tokenize_rendered(self, text: str, escaper: _Escaper) -> tuple[list[int], list[int]]:
+        """Token ids of rendered (escaped) template text, and each token's first character.
+
+        Text between markers is template text (plus ordinary user text, which
+        has no special-token strings left in it); each marker is a special
+        string the user typed and is tokenized as plain text. Splitting at the
+        markers mirrors how the tokenizer splits at added tokens anyway. The
+        offsets are into ``text`` (markers included) and never decrease.
+        """
         ids: list[int] = []
+        starts: list[int] = []
+
+        def add(piece: str, at: int, special: bool) -> None:
+            with self._encode_lock:
+                self._backend.encode_special_tokens = special
+                try:
+                    enc = self._backend.encode(piece, add_special_tokens=False)
+                finally:
+                    self._backend.encode_special_tokens = False
+            ids.extend(enc.ids)
+            starts.extend(at + a for a, _ in enc.offsets)
+
         pos = 0
-        # Text between markers is template text (plus ordinary user text, which
-        # has no special-token strings left in it); each marker is a special
-        # string the user typed and is tokenized as plain text. Splitting at
-        # the markers mirrors how the tokenizer splits at added tokens anyway.
         for m in escaper.pattern.finditer(text):
             if m.start() > pos:
-                ids.extend(self._encode_template_text(text[pos : m.start()]))
-            ids.extend(self.encode(escaper.specials[int(m.group(1))]))
+                add(text[pos : m.start()], pos, False)
+            # The marker's tokens all start where the marker does.
+            n_before = len(ids)
+            add(escaper.specials[int(m.group(1))], m.start(), True)
+            starts[n_before:] = [m.start()] * (len(ids) - n_before)
             pos = m.end()
         if pos < len(text):
-            ids.extend(self._encode_template_text(text[pos:]))
-        return ids
+            add(text[pos:], pos, False)
+        return ids, starts
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (C-speed comparisons)."""
+    if b.startswith(a):
+        return len(a)
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[:hi+1] != b[:hi+1] or hi is max
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _cut_after_final_message(text: str, content: Any) -> str:

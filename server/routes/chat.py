@@ -7,23 +7,27 @@ then content and call deltas from an incremental tool-call parser per choice).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engine.client import ClientTokenizer, JsonObject, JsonValue
+from engine.client import ClientTokenizer, EngineClient, JsonObject, JsonValue
 from engine.outputs import CompletionDelta, PositionLogprobs
+from server.context_compression import Compression, compress, wants_compression
 from server.generation import (
     ChoiceFormat,
     ChoiceState,
     Generation,
-    output_budget,
+    request_budget,
     request_options,
     sampling_params,
+    windowed,
 )
 from server.logprobs import chat_logprobs, prompt_logprobs_json
-from server.prompts import render_chat, template_kwargs
+from server.prompts import ChatPrompt, render_chat_prompt, template_kwargs
 from server.protocol import ChatCompletionRequest
 from server.state import State, request_id
 from server.tool_parsers import ToolCallDelta, ToolStreamParser
@@ -37,6 +41,7 @@ from server.tools import (
 )
 
 router = APIRouter()
+logger = logging.getLogger("fuel_serve.server")
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -47,17 +52,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     kwargs = template_kwargs(body.chat_template_kwargs)
     messages = [m.to_template_dict() for m in body.messages]
     offered = plan.tools if plan is not None and plan.tools else None
-    prompt_ids = await render_chat(
+    prompt = await render_chat_prompt(
         engine,
         messages,
         body.add_generation_prompt,
         kwargs,
         tools=offered,
         continue_final_message=body.continue_final_message,
+        with_segments=_wants_segments(engine, body),
     )
-    budget = output_budget(
-        body.output_budget(), len(prompt_ids), engine.max_model_len, "the messages"
-    )
+    compression = await _compress_if_needed(engine, state, body, messages, prompt, offered, kwargs)
+    if compression is not None:
+        prompt = compression.prompt
+        messages = [messages[i] for i in compression.kept]
+    prompt_ids = prompt.token_ids
+    budget = request_budget(body, body.output_budget(), len(prompt_ids), engine, "the messages")
     top_k = body.top_logprobs or 0
     params = sampling_params(
         body,
@@ -73,7 +82,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     generation = Generation.submit(
         engine,
         [(engine_rid, prompt_ids, params)],
-        request_options(body),
+        dataclasses.replace(request_options(body), segments=prompt.segments),
         metrics=state.metrics,
         client_request_id=rid_base,
         # Response id = prefix + engine request id: GET /v1/traces/{id} maps back statelessly.
@@ -81,6 +90,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         model=model,
         include_usage=body.include_usage(),
     )
+    if compression is not None:
+        generation.usage_extra["context_compression"] = compression.usage_field()
+        generation.headers.update(compression.headers())
     await generation.start()
     echo_prefix = ""
     if body.echo and body.messages[-1].role == "assistant":
@@ -94,6 +106,69 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     if body.stream:
         return generation.stream(fmt)
     return await generation.answer(request, fmt)
+
+
+def _wants_segments(engine: EngineClient, body: ChatCompletionRequest) -> bool:
+    """Whether the engine reads this request's segments: its KV policy (its own
+    ``kv_policy`` or the server's ``--kv-policy``) evicts whole turns
+    (``segmented``) or votes with a segment scorer (``vote``)."""
+    asked = body.kv_policy.type if body.kv_policy is not None else None
+    policy = asked if asked is not None else engine.execution_info.get("kv_policy", "full")
+    return policy in ("segmented", "vote")
+
+
+async def _compress_if_needed(
+    engine: EngineClient,
+    state: State,
+    body: ChatCompletionRequest,
+    messages: list[JsonObject],
+    prompt: ChatPrompt,
+    tools: list[JsonObject] | None,
+    kwargs: JsonObject | None,
+) -> Compression | None:
+    """Whole turns dropped to fit the context, when asked and needed (else None).
+
+    None also when even the pinned messages do not fit: ``output_budget`` then
+    gives the request today's ``context_length_exceeded`` 400, unchanged.
+    """
+    max_len = engine.max_model_len
+    requested = body.output_budget()
+    n = len(prompt.token_ids)
+    fits = n < max_len if requested is None else n + requested <= max_len
+    if windowed(body, engine):
+        return None  # a KV policy bounds the cache: nothing needs dropping
+    if fits or not wants_compression(body.truncation, state.config.context_compression):
+        return None
+    need = requested if requested is not None else state.config.context_compression_reserve
+    if not prompt.segments:
+        # Selection prices turns by their spans: only a request being compressed pays for them.
+        prompt = await render_chat_prompt(
+            engine,
+            messages,
+            body.add_generation_prompt,
+            kwargs,
+            tools=tools,
+            continue_final_message=body.continue_final_message,
+        )
+
+    async def render(subset: list[JsonObject]) -> ChatPrompt:
+        return await render_chat_prompt(
+            engine,
+            subset,
+            body.add_generation_prompt,
+            kwargs,
+            tools=tools,
+            continue_final_message=body.continue_final_message,
+        )
+
+    result = await compress(messages, prompt, max_len - need, render, engine.tokenizer.encode)
+    if result is not None:
+        logger.info(
+            "context compression dropped messages %s (%d prompt tokens)",
+            result.dropped,
+            result.dropped_tokens,
+        )
+    return result
 
 
 class ChatFormat(ChoiceFormat):

@@ -48,7 +48,8 @@ _ERROR_ENVELOPE: JsonObject = {
     responses={
         200: {"description": "The engine is ready (empty body)."},
         503: {
-            "description": "Loading, failed to load, or draining (with Retry-After).",
+            "description": "Loading, failed to load, failed (a dead tensor-parallel worker), or "
+            "draining (with Retry-After).",
             "content": {"application/json": {"schema": _ERROR_ENVELOPE}},
         },
     },
@@ -61,6 +62,8 @@ async def health(state: State) -> Response:
         return error_response(
             ApiError(503, f"The model is loading{detail}.", headers=retry_after(5))
         )
+    if state.engine.fatal_error is not None:
+        return error_response(ApiError(503, f"The engine failed: {state.engine.fatal_error}."))
     return Response(status_code=200)
 
 
