@@ -42,6 +42,15 @@ def _engine(tiny: Path, **kw: Any) -> LLMEngine:
             "only one group",
         ),
         ({"kv_low_rank_keys": 8}, "--kv-low-rank-keys is not built"),
+        ({"kv_cache_dtype": "kivi4", "block_size": 64, "kv_policy": "h2o"}, "not built"),
+        (
+            {
+                "kv_cache_dtype": "kivi2",
+                "block_size": 64,
+                "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+            },
+            "cannot roll back",
+        ),
     ],
 )
 def test_config_refuses_bad_kivi_settings(kw: dict[str, Any], match: str) -> None:
