@@ -68,18 +68,36 @@ def test_crafted_sequence_is_vllm_wire_format() -> None:
     pool.reset_prefix_cache()
     batch = KVEventBatch(1.5, events.take(), 3)
     got = _decode(msgspec.msgpack.encode(batch))
+
+    def stored(hashes: list[bytes], parent: bytes | None, toks: list[int], medium: str) -> Any:
+        return {
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": parent,
+            "token_ids": toks,
+            "block_size": 2,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+        }
+
+    def removed(hashes: list[bytes], medium: str) -> Any:
+        return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+
     assert got == [
         1.5,
         [
-            ["BlockStored", [h1, h2, h3], None, [1, 2, 3, 4, 5, 6], 2, None, "GPU", None],
-            ["BlockStored", [h1], None, [1, 2], 2, None, "CPU", None],
-            ["BlockRemoved", [h1], "GPU"],
-            ["BlockRemoved", [h1], "CPU"],
-            ["BlockStored", [h2], h1, [3, 4], 2, None, "CPU", None],
-            ["AllBlocksCleared"],
+            stored([h1, h2, h3], None, [1, 2, 3, 4, 5, 6], "GPU"),
+            stored([h1], None, [1, 2], "CPU"),
+            removed([h1], "GPU"),
+            removed([h1], "CPU"),
+            stored([h2], h1, [3, 4], "CPU"),
+            {"type": "AllBlocksCleared"},
         ],
         3,
     ]
+    # Field order inside each map is vLLM's declaration order.
+    assert list(got[1][0]) == list(stored([], None, [], "GPU"))
     assert all(isinstance(h, bytes) and len(h) == 32 for h in (h1, h2, h3))
     assert events.take() == []
     assert (events.counters.stored, events.counters.removed, events.counters.cleared) == (5, 2, 1)
@@ -98,7 +116,19 @@ def test_reset_restores_referenced_blocks() -> None:
     events.take()
     assert pool.reset_prefix_cache() == 1
     got = [_decode(msgspec.msgpack.encode(e)) for e in events.take()]
-    assert got == [["AllBlocksCleared"], ["BlockStored", [h1], None, [7], 1, None, "GPU", None]]
+    assert got == [
+        {"type": "AllBlocksCleared"},
+        {
+            "type": "BlockStored",
+            "block_hashes": [h1],
+            "parent_block_hash": None,
+            "token_ids": [7],
+            "block_size": 1,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        },
+    ]
 
 
 def test_config_validation() -> None:
@@ -233,22 +263,22 @@ def test_engine_publishes_stored_and_removed(tiny_dir: Path) -> None:
         frames = _drain(sub)
         assert frames, "no KV event batch arrived"
         batches = [_decode(f[2]) for f in frames]
-        stored = [e for b in batches for e in b[1] if e[0] == "BlockStored"]
-        assert stored[0][1] == expect and stored[0][2] is None
-        assert stored[0][3] == a[:8] and stored[0][4] == 4 and stored[0][6] == "GPU"
+        stored = [e for b in batches for e in b[1] if e["type"] == "BlockStored"]
+        first = stored[0]
+        assert first["block_hashes"] == expect and first["parent_block_hash"] is None
+        assert first["token_ids"] == a[:8] and first["block_size"] == 4
+        assert first["medium"] == "GPU"
         assert all(b[2] == 0 for b in batches)
-        third = [e for e in stored if len(e[1]) == 1 and e[2] == expect[1]]
-        assert len(third) == 1 and third[0][3][:2] == a[8:10]  # prompt tail + a generated token
+        third = [e for e in stored if e["parent_block_hash"] == expect[1]]
+        # The prompt's tail and two generated tokens, cached once computed.
+        assert len(third) == 1 and len(third[0]["block_hashes"]) == 1
+        assert third[0]["token_ids"][:2] == a[8:10]
         # A prompt of 31 distinct tokens needs all 8 blocks: every cached block of a goes.
         _run(eng, "b", list(range(100, 131)), 1)
         frames = _drain(sub)
-        removed = [
-            h for f in frames for e in _decode(f[2])[1] if e[0] == "BlockRemoved" for h in e[1]
-        ]
-        assert set(expect) <= set(removed)
-        assert all(
-            e[2] == "GPU" for f in frames for e in _decode(f[2])[1] if e[0] == "BlockRemoved"
-        )
+        gone = [e for f in frames for e in _decode(f[2])[1] if e["type"] == "BlockRemoved"]
+        assert set(expect) <= {h for e in gone for h in e["block_hashes"]}
+        assert {e["medium"] for e in gone} == {"GPU"}
     finally:
         sub.close()
         eng.close()

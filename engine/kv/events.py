@@ -10,16 +10,22 @@ reads to know which blocks each replica holds, and in which tier:
 * :class:`AllBlocksCleared`: the device prefix cache was reset.
 
 The structs mirror vLLM's ``vllm/distributed/kv_events.py`` field for field
-and are encoded the same way (msgspec ``array_like`` structs, so a struct is a
-msgpack array in field order; the events a tagged union, the class name as
-the array's first element; trailing fields at their defaults omitted)::
+and are encoded with msgspec as vLLM encodes them: the batch is an
+``array_like`` struct (a msgpack array in field order), each event a tagged
+msgpack map (``"type"``: the class name, then the fields by name; fields at
+their defaults, vLLM's later optional ones such as ``extra_keys`` and
+``group_idx``, left out)::
 
     KVEventBatch  = [ts: float, events: [event, ...], data_parallel_rank: int]
-    BlockStored   = ["BlockStored", block_hashes: [bin32, ...], parent_block_hash: bin32 | nil,
-                     token_ids: [int, ...], block_size: int, lora_id: nil, medium: str,
-                     lora_name: nil]
-    BlockRemoved  = ["BlockRemoved", block_hashes: [bin32, ...], medium: str]
-    AllBlocksCleared = ["AllBlocksCleared"]
+    BlockStored   = {"type": "BlockStored", "block_hashes": [bin32, ...],
+                     "parent_block_hash": bin32 | nil, "token_ids": [int, ...],
+                     "block_size": int, "lora_id": nil, "medium": str, "lora_name": nil}
+    BlockRemoved  = {"type": "BlockRemoved", "block_hashes": [bin32, ...], "medium": str}
+    AllBlocksCleared = {"type": "AllBlocksCleared"}
+
+vllm-router 0.1.17's ``kv_aware`` decoder insists on exactly this shape ("KV
+event batch must be an array", "KV event must be a tagged map" otherwise):
+tried on loopback, see tests/test_kv_events.py.
 
 Hashes: a block's key is our chained sha256 digest (``hash_block``: parent
 key, the block's tokens, the cache salt), sent as 32 raw bytes (msgpack
@@ -48,8 +54,8 @@ MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the tagged union (the tag is the class name)."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the tagged union (``"type"``: the class name)."""
 
 
 class BlockStored(KVCacheEvent):
