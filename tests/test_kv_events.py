@@ -20,6 +20,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.kv.block_pool import BlockPool, KVBlock, hash_block
 from engine.kv.event_publisher import (
+    KVEventPublisher,
     KVEventsConfig,
     ZmqKVEventPublisher,
     offset_endpoint,
@@ -294,4 +295,65 @@ def test_events_off_opens_no_socket(tiny_dir: Path) -> None:
     _run(eng, "a", list(range(10, 20)), 2)
     with socket.socket() as s:  # nobody bound the port
         s.bind(("0.0.0.0", port))
+    eng.close()
+
+
+def test_disk_tier_reports_writes_and_evictions(tmp_path: Path) -> None:
+    """Disk blocks are stored (with their parent) when written and removed when
+    evicted to stay under budget; the writer thread may report them (locked)."""
+    import torch
+
+    from engine.kv.disk_tier import DiskTier
+
+    events = KVEventCollector(block_size=2)
+    h1 = hash_block(None, [1, 2])
+    h2 = hash_block(h1, [3, 4])
+    m1, m2 = BlockMeta(h1, (1, 2), range(2), None), BlockMeta(h2, (3, 4), range(2, 4), h1)
+    probe = DiskTier(tmp_path / "probe", 1 << 20, 8, 2, b"\x01" * 32)
+    blob = len(probe.encode(m1, bytes(8)))
+    disk = DiskTier(tmp_path / "d", blob + blob // 2, 8, 2, b"\x01" * 32)  # room for one
+    disk.events = events
+    rows = torch.zeros((1, 8), dtype=torch.uint8)
+    assert disk.put([m1], rows) == [True]
+    assert disk.put([m2], rows) == [True]
+    got = [_decode(msgspec.msgpack.encode(e)) for e in events.take()]
+    assert [(e["type"], e["block_hashes"], e.get("medium")) for e in got] == [
+        ("BlockStored", [h1, h2], "DISK"),  # one chain: merged into one event
+        ("BlockRemoved", [h1], "DISK"),
+    ]
+    assert got[0]["parent_block_hash"] is None and got[0]["token_ids"] == [1, 2, 3, 4]
+
+
+def test_engine_reports_demotions_to_the_host_tier(tiny_dir: Path) -> None:
+    """An evicted device block demoted into the host tier: CPU stored (same
+    key, same parent chain), then GPU removed."""
+    eng = _engine(tiny_dir, num_host_blocks_override=16, kv_events_config={
+        "enable_kv_cache_events": True, "publisher": "null"})  # fmt: skip
+    assert eng.kv_events is not None
+
+    class Recorder(KVEventPublisher):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batches: list[KVEventBatch] = []
+
+        def publish(self, batch: KVEventBatch) -> None:
+            self.batches.append(batch)
+
+    rec = Recorder()
+    eng.kv_event_publisher = rec
+    a = list(range(10, 20))
+    _run(eng, "a", a, 3)
+    _run(eng, "b", list(range(100, 131)), 1)
+    events = [_decode(msgspec.msgpack.encode(e)) for b in rec.batches for e in b.events]
+    h0 = hash_block(None, a[0:4])
+    h1 = hash_block(h0, a[4:8])
+    cpu = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "CPU"]
+    parent: dict[bytes, bytes | None] = {}
+    for e in cpu:  # an event's first block names its parent; each next one follows it
+        for k, h in enumerate(e["block_hashes"]):
+            parent[h] = e["block_hashes"][k - 1] if k else e["parent_block_hash"]
+    assert parent[h0] is None and parent[h1] == h0
+    assert all(len(e["token_ids"]) == 4 * len(e["block_hashes"]) for e in cpu)
+    order = [(e["type"], e["medium"], h) for e in events for h in e.get("block_hashes", [])]
+    assert order.index(("BlockStored", "CPU", h0)) < order.index(("BlockRemoved", "GPU", h0))
     eng.close()
