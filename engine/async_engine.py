@@ -182,7 +182,7 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineUnavailableError("the engine is not running")
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.validate_request(prompt_token_ids, params, options or RequestOptions())
         if params.structured is not None:
             # Compiling can take a while: do it here, off the engine thread (cached there).
             await asyncio.to_thread(self.engine.compile_structured, params.structured)

@@ -24,6 +24,7 @@ AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
 CpuLinear = Literal["auto", "torch", "onednn", "int8", "q4_1", "q8_0"]
 CpuDecodeStep = Literal["auto", "fused", "per_layer"]
 PreemptionMode = Literal["recompute", "swap"]
+KVPolicyName = Literal["full", "streaming", "h2o", "rkv", "vote", "segmented"]
 
 
 @dataclass
@@ -95,6 +96,36 @@ class EngineConfig:
         "recompute",
         "What happens to a preempted request's KV (vLLM's names): recompute frees it; swap "
         "parks it in the host tier when the tier has room for all of it (else recompute).",
+    )
+    kv_policy: KVPolicyName = setting(
+        "full",
+        "Per-sequence KV policy (engine/kv/policies/). full: keep every token (today's "
+        "behaviour). streaming: the first --num-sink-tokens plus a recent window "
+        "(StreamingLLM). h2o: sinks, a recent window and the heavy hitters by accumulated "
+        "attention mass. rkv: attention mass and key redundancy (near-duplicates go first). "
+        "vote: recency, mass, redundancy and segment scorers vote with --kv-vote-weights. "
+        "segmented: whole prompt segments (chat turns) go, oldest and least important "
+        "first, never the system prompt or the newest user turn. Every policy but full "
+        "keeps at most --kv-budget-tokens (+ --kv-evict-interval) tokens at cache "
+        "positions, re-rotating kept keys, so a request may run past --max-model-len.",
+    )
+    kv_budget_tokens: int | None = setting(
+        None, "Per-sequence KV budget in tokens (required by every policy but full).", minimum=2
+    )
+    num_sink_tokens: int = setting(
+        4, "Attention-sink tokens a KV policy always keeps (the sequence's first).", minimum=0
+    )
+    kv_evict_interval: int = setting(
+        16,
+        "Tokens a sequence's cache may grow past --kv-budget-tokens before the policy evicts "
+        "back to the budget (amortises the compaction; a prompt is prefilled in chunks of at "
+        "most this many tokens once its cache is full).",
+        minimum=1,
+    )
+    kv_vote_weights: str = setting(
+        "recency=1,mass=1,redundancy=0.5,segment=0.5",
+        "Weights of the vote policy's scorers (recency, mass, redundancy, segment), "
+        "name=weight comma-separated.",
     )
     max_num_seqs: int = setting(64, "Most sequences in one batch.", minimum=1)
     max_num_batched_tokens: int = setting(2048, "Most tokens in one step.", minimum=1)
@@ -217,6 +248,22 @@ class EngineConfig:
                 "--cpu-decode-step fused cannot run tensor-parallel (its single native call has "
                 "no all-reduce); use auto or per_layer"
             )
+        if self.tensor_parallel_size > 1 and self.kv_policy != "full":
+            raise ValueError(
+                f"--kv-policy {self.kv_policy} cannot run tensor-parallel yet (compaction "
+                "moves rank 0's cache only)"
+            )
+        if self.kv_policy != "full" and self.speculative_config is not None:
+            # Not built: drafts and evictions would both move num_kv_tokens in one
+            # step (a rejected draft rolls back slots a compaction may have moved).
+            raise ValueError(
+                f"--kv-policy {self.kv_policy} cannot run with --speculative-config yet"
+            )
+        if self.kv_policy != "full" and self.kv_budget_tokens is None:
+            raise ValueError(f"--kv-policy {self.kv_policy} needs --kv-budget-tokens")
+        if self.kv_budget_tokens is not None and self.num_sink_tokens >= self.kv_budget_tokens:
+            raise ValueError("--num-sink-tokens must be below --kv-budget-tokens")
+        parse_vote_weights(self.kv_vote_weights)
         if self.preemption_mode == "swap" and not host:
             raise ValueError(
                 "--preemption-mode swap needs the host tier (--kv-offloading-size > 0)"
@@ -227,6 +274,36 @@ class EngineConfig:
         self.kv_events: KVEventsConfig | None = parse_kv_events_config(self.kv_events_config)
 
     @property
+    def vote_weights(self) -> dict[str, float]:
+        """``--kv-vote-weights`` parsed (validated in ``__post_init__``)."""
+        return parse_vote_weights(self.kv_vote_weights)
+
+    @property
     def host_tier_enabled(self) -> bool:
         """Whether a host KV tier is configured (by size or block count)."""
         return self.kv_offloading_size > 0 or self.num_host_blocks_override is not None
+
+
+VOTE_SCORERS = ("recency", "mass", "redundancy", "segment")
+
+
+def parse_vote_weights(text: str) -> dict[str, float]:
+    """``"recency=1,mass=0.5"`` -> ``{"recency": 1.0, "mass": 0.5}`` (ValueError on bad input)."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep or name not in VOTE_SCORERS:
+            raise ValueError(
+                f"--kv-vote-weights: {part.strip()!r} is not name=weight with a name in "
+                f"{', '.join(VOTE_SCORERS)}"
+            )
+        try:
+            w = float(value)
+        except ValueError:
+            raise ValueError(f"--kv-vote-weights: {value!r} is not a number") from None
+        if not w >= 0.0 or w == float("inf"):
+            raise ValueError(f"--kv-vote-weights: weight of {name} must be finite and >= 0")
+        out[name] = w
+    if not any(out.values()):
+        raise ValueError("--kv-vote-weights: at least one weight must be positive")
+    return out

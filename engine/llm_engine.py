@@ -31,6 +31,8 @@ from engine.kv.events import KVEventBatch, KVEventCollector
 from engine.kv.format import GroupedKVFormat, KVFormat, PlainKVFormat
 from engine.kv.hierarchy import KVHierarchy
 from engine.kv.manager import KVCacheManager
+from engine.kv.policies.resolve import KVPolicySpec, resolve_policy
+from engine.kv.policies.runtime import KVPolicyRuntime
 from engine.kv.transfer import KVTransferExecutor
 from engine.models.linear import LinearChoice, LinearStrategy, make_linear_strategy
 from engine.models.loader import (
@@ -155,6 +157,7 @@ class EngineInfo:
     kv_cache_dtype: torch.dtype = torch.float32
     attention: str = "?"
     decode_step: str = "per_layer"
+    kv_policy: str = "full"
 
     def execution(self) -> dict[str, str]:
         """The execution path, as served in ``/v1/models`` (``fuel`` field) and logged."""
@@ -165,6 +168,7 @@ class EngineInfo:
             "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
             "attention": self.attention,
             "decode_step": self.decode_step,
+            "kv_policy": self.kv_policy,
         }
 
     num_host_blocks: int = 0
@@ -253,6 +257,7 @@ class LLMEngine:
             kv_cache_dtype=kv_dtype,
             attention=self.model_backend_name(),
             decode_step=decode_step,
+            kv_policy=config.kv_policy,
             num_host_blocks=hierarchy.host.capacity_blocks if hierarchy is not None else 0,
             disk_tier_path=(
                 str(hierarchy.disk.root) if hierarchy is not None and hierarchy.disk else None
@@ -362,6 +367,15 @@ class LLMEngine:
             kv_dtype,
             cfg.moe_capacity_factor,
             kv_format,
+        )
+        if cfg.kv_policy != "full" and not hasattr(self.model.model, "rotary_emb"):
+            raise ValueError(f"--kv-policy {cfg.kv_policy} needs a RoPE model (it re-rotates keys)")
+        self.kv_policies = KVPolicyRuntime(
+            cfg,
+            self.kv,
+            kv_format,
+            self.runner.kv_caches,
+            lambda: self.model.model.rotary_emb.cos_sin_cache,
         )
         caches = list(self.runner.kv_caches)
         if proposer is not None:
@@ -603,8 +617,22 @@ class LLMEngine:
         return mask
 
     # ---- requests -----------------------------------------------------
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Checks that need no engine state (safe from any thread)."""
+    def validate_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, options: RequestOptions
+    ) -> KVPolicySpec | None:
+        """``validate`` under the request's KV policy (resolved here: the server's
+        ``--kv-policy`` narrowed by ``options.kv_policy``; None is ``full``).
+        Safe from any thread."""
+        spec = resolve_policy(self.config, options.kv_policy, self.info.max_model_len)
+        self.validate(prompt_token_ids, params, windowed=spec is not None)
+        return spec
+
+    def validate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, windowed: bool = False
+    ) -> None:
+        """Checks that need no engine state (safe from any thread). ``windowed``:
+        the request runs under a KV policy, which keeps its cache within the
+        context whatever the prompt and output lengths (no context check)."""
         try:
             params.validate(vocab_size=self.model_config.vocab_size)
         except ValueError as e:
@@ -620,7 +648,7 @@ class LLMEngine:
         max_len = self.info.max_model_len
         n = len(prompt_token_ids)
         want = params.max_tokens or 0
-        if n + want > max_len or n >= max_len:
+        if not windowed and (n + want > max_len or n >= max_len):
             raise InvalidRequestError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
                 f"{n + want} tokens ({n} in the prompt, {want} in the completion). "
@@ -642,7 +670,9 @@ class LLMEngine:
         """Queue the n choices of one request. Raises InvalidRequestError / RequestRejectedError."""
         if group_id in self.groups:
             raise InvalidRequestError(f"request id {group_id!r} is already in use")
-        self.validate(prompt_token_ids, params)
+        spec = self.validate_request(prompt_token_ids, params, options)
+        if spec is not None:
+            self.kv_policies.new_state(spec, options.segments)  # refuses what cannot fit
         now = self.clock() if arrival_time is None else arrival_time
         reqs: list[Request] = []
         for i in range(params.n):
@@ -671,6 +701,11 @@ class LLMEngine:
             )
         for r in reqs[1:]:
             r.prefix_source = reqs[0]
+        if spec is not None:
+            for r in reqs:
+                r.kv_state = self.kv_policies.new_state(spec, options.segments)
+                r.kv_cap = r.kv_state.cap
+                r.max_model_len = 1 << 62  # positions stay in the cache: no context limit
         if params.structured is not None:
             for r in reqs:
                 r.grammar = self.grammar.new_state(params.structured)
@@ -760,6 +795,7 @@ class LLMEngine:
         self.scheduler.update_after_step(sched, rolled_back)
         if spec is not None:
             spec.observe(sched.scheduled, accepted, t_target)
+        self.kv_policies.after_step([s.req for s in sched.scheduled], result.attn_mass)
         now = self.clock()
         if self.tracer.enabled:
             self._trace_step(sched, dt, result)

@@ -11,29 +11,30 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.config import KVPolicyName
 from engine.outputs import RequestMetrics
 from engine.sampling.params import SamplingParams
+from engine.segments import Segment as Segment
+from engine.segments import SegmentKind as SegmentKind
 
 if TYPE_CHECKING:
     from engine.kv.host_tier import HostEntry
-
-
-SegmentKind = Literal["system", "user", "assistant", "tool", "document"]
+    from engine.kv.policies.state import KVPolicyState
 
 
 @dataclass(frozen=True)
-class Segment:
-    """A span of the prompt's token ids, ``[start, end)``, that came from one
-    message (``turn``: the message's index in the conversation)."""
+class KVPolicyRequest:
+    """The ``kv_policy`` request extension: a per-request KV policy that may only
+    narrow the server's (engine/kv/policies/resolve.py checks that). ``None``
+    fields inherit the server's setting."""
 
-    start: int
-    end: int
-    kind: SegmentKind
-    turn: int
+    type: KVPolicyName | None = None
+    budget_tokens: int | None = None
+    sink_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class RequestOptions:
     # The prompt's per-message token spans, in order and disjoint (the chat
     # template renderer fills it); empty when the prompt was not a rendered chat.
     segments: tuple[Segment, ...] = ()
+    kv_policy: KVPolicyRequest | None = None  # narrows --kv-policy for this request
 
 
 class RequestStatus(enum.Enum):
@@ -80,8 +82,9 @@ class Request:
     """One sequence being generated (a choice of an n > 1 request is its own Request).
 
     Invariants (checked in debug mode after every step):
-    * ``block_ids`` covers exactly ``ceil(num_computed_tokens / block_size)``
-      blocks between steps; during a step it covers the scheduled tokens too.
+    * ``block_ids`` covers exactly ``ceil(num_kv_tokens / block_size)``
+      blocks between steps (``num_kv_tokens == num_computed_tokens`` unless a
+      KV policy evicted tokens); during a step it covers the scheduled tokens too.
     * ``num_computed_tokens <= len(all_token_ids)``.
     The request owns one reference to every block in ``block_ids`` (and one
     pin on every entry of ``swapped_blocks``) and gives them all back
@@ -132,6 +135,16 @@ class Request:
     # Structured output: a grammar matcher (engine.sampling.grammar.GrammarState) whose
     # mask constrains sampling; advanced with every sampled token.
     grammar: Any = None
+    # KV policies (engine/kv/policies/): tokens dropped from the front part of
+    # the cache so far. The cache holds ``num_computed_tokens -
+    # num_evicted_tokens`` tokens at cache positions 0..kv_len-1 (the kept
+    # keys are re-rotated to them), so every KV block count below uses
+    # ``num_kv_tokens``; token indices (``all_token_ids``) are unchanged.
+    num_evicted_tokens: int = 0
+    # The most tokens the cache may hold after a step (None: no cap, the
+    # ``full`` policy). The scheduler caps chunks and prefix hits by it.
+    kv_cap: int | None = None
+    kv_state: KVPolicyState | None = None  # the policy's per-request scores and map
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -148,6 +161,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens the KV cache holds for this request (computed minus evicted)."""
+        return self.num_computed_tokens - self.num_evicted_tokens
+
+    def kv_room(self) -> int:
+        """New tokens one step may add under ``kv_cap`` (large without a cap)."""
+        if self.kv_cap is None:
+            return 1 << 62
+        return self.kv_cap - self.num_kv_tokens
 
     @property
     def num_output_tokens(self) -> int:

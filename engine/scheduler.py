@@ -193,10 +193,11 @@ class Scheduler:
     # ---- arrivals -----------------------------------------------------
     def check_fits(self, req: Request) -> None:
         """400 at once for a request that can never fit in the KV cache."""
-        need = self.kv.blocks_needed(req.max_total_tokens)
+        most = req.max_total_tokens if req.kv_cap is None else min(req.max_total_tokens, req.kv_cap)
+        need = self.kv.blocks_needed(most)
         if need > self.kv.num_blocks:
             raise InvalidRequestError(
-                f"This request needs up to {req.max_total_tokens} tokens of KV cache "
+                f"This request needs up to {most} tokens of KV cache "
                 f"({need} blocks) but the cache holds only {self.kv.num_blocks * self.kv.block_size} "
                 f"tokens. Reduce the prompt or max_tokens.",
                 param="max_tokens",
@@ -260,9 +261,12 @@ class Scheduler:
                 continue  # preempted earlier in this step to make room
             if not self.kv.is_ready(req):
                 continue  # its blocks are still being copied in (async tier copies)
+            # Cache positions stop at max_model_len; a KV policy's cap bounds the
+            # chunk too (its cache holds num_kv_tokens, see Request.kv_room).
             num_new = min(
                 req.num_tokens - req.num_computed_tokens,
-                self.max_model_len - req.num_computed_tokens,
+                self.max_model_len - req.num_kv_tokens,
+                req.kv_room(),
             )
             if num_new <= 0:
                 continue
@@ -315,7 +319,10 @@ class Scheduler:
             ):
                 continue  # wait until the first choice has computed the shared prompt
             hit = self.kv.find_cached_prefix(req)
-            num_new = req.num_tokens - req.num_computed_tokens - hit.num_tokens
+            num_new = min(
+                req.num_tokens - req.num_computed_tokens - hit.num_tokens,
+                req.kv_room() - hit.num_tokens,
+            )
             if num_new > budget:
                 if not chunked and out.scheduled:
                     break

@@ -39,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 from engine.client import EngineClient, JsonObject, JsonValue
 from engine.errors import EngineUnavailableError
 from engine.outputs import CompletionDelta, PositionLogprobs, RequestOutput
-from engine.request import RequestOptions
+from engine.request import KVPolicyRequest, RequestOptions
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
 from server import __version__
 from server.errors import ApiError, api_error_body, error_from_exception, retry_after
@@ -66,7 +66,36 @@ def request_options(body: SamplingFields) -> RequestOptions:
         cache_salt=body.cache_salt,
         latency_budget_ms=body.latency_budget_ms,
         ttft_budget_ms=body.ttft_budget_ms,
+        kv_policy=(
+            KVPolicyRequest(
+                type=body.kv_policy.type,
+                budget_tokens=body.kv_policy.budget_tokens,
+                sink_tokens=body.kv_policy.sink_tokens,
+            )
+            if body.kv_policy is not None
+            else None
+        ),
     )
+
+
+def windowed(body: SamplingFields, engine: EngineClient) -> bool:
+    """Whether the request runs under a KV policy (its own ``kv_policy`` or the
+    server's ``--kv-policy``): its cache stays within the context whatever the
+    lengths, so the context-length check does not apply (the engine refuses a
+    policy that widens the server's)."""
+    asked = body.kv_policy.type if body.kv_policy is not None else None
+    if asked is not None:
+        return asked != "full"
+    return engine.execution_info.get("kv_policy", "full") != "full"
+
+
+def request_budget(
+    body: SamplingFields, requested: int | None, prompt_len: int, engine: EngineClient, where: str
+) -> int:
+    """``output_budget``, except under a KV policy: as asked, else one context's worth."""
+    if windowed(body, engine):
+        return requested if requested is not None else engine.max_model_len
+    return output_budget(requested, prompt_len, engine.max_model_len, where)
 
 
 def _context_error(max_len: int, prompt_len: int, budget: int, where: str) -> ApiError:

@@ -190,6 +190,15 @@ class ResponseFormat(OpenAIModel):
 # ---------------------------------------------------------------------------
 
 
+class KVPolicyBody(OpenAIModel):
+    """Our ``kv_policy`` extension (issue 17): narrows the server's ``--kv-policy``
+    for this request (engine/kv/policies/resolve.py refuses what widens it)."""
+
+    type: Literal["full", "streaming", "h2o", "rkv", "vote", "segmented"] | None = None
+    budget_tokens: int | None = Field(default=None, ge=2, le=1 << 24)
+    sink_tokens: int | None = Field(default=None, ge=0, le=1 << 24)
+
+
 class SamplingFields(RequestBody):
     """Fields chat and completions share (OpenAI's plus vLLM's extensions)."""
 
@@ -221,6 +230,7 @@ class SamplingFields(RequestBody):
     latency_budget_ms: float | None = Field(default=None, gt=0.0)
     ttft_budget_ms: float | None = Field(default=None, gt=0.0)
     response_format: ResponseFormat | None = None
+    kv_policy: KVPolicyBody | None = None  # ours: per-request KV policy (narrowing only)
     # SGLang extensions routers send at their neutral values (module docstring).
     # no_stop_trim is SGLang's name for include_stop_str_in_output (folded into it below).
     no_stop_trim: bool = False

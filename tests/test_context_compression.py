@@ -398,3 +398,32 @@ def test_unknown_truncation_is_a_400_naming_it(client: TestClient, value: Any) -
     assert_schema(body, "ErrorResponse")
     assert body["error"]["param"] == "truncation"
     assert "'auto' or 'disabled'" in body["error"]["message"]
+
+
+def test_segments_reach_the_engine_only_for_turn_evicting_policies(
+    client: TestClient, engine: SharedEngine
+) -> None:
+    """Spans cost a render per message prefix: a plain request sends none; a request
+    under a policy that evicts whole turns (segmented, vote) sends one per message."""
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there."},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    body = {"model": NAME, "messages": msgs, "max_tokens": 2}
+    r = client.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    assert engine.calls[-1][3].segments == ()  # type: ignore[union-attr]
+    for policy in ("segmented", "vote"):
+        kv = {"type": policy, "budget_tokens": 96, "sink_tokens": 4}
+        r = client.post(CHAT, json={**body, "kv_policy": kv})
+        assert r.status_code == 200, r.text
+        segments = engine.calls[-1][3].segments  # type: ignore[union-attr]
+        assert [(s.turn, s.kind) for s in segments] == [
+            (0, "system"),
+            (1, "user"),
+            (2, "assistant"),
+            (3, "user"),
+        ]
+        assert segments[-1].end <= len(last_prompt(engine))

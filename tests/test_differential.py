@@ -308,6 +308,19 @@ AXES: dict[str, Axis] = {
         lambda m, make, ref: run_together(make, list(m.cases), cpu_decode_step="per_layer")
     ),
     "tp2": Axis(_tensor_parallel),
+    # KV policies (issue 17) with a budget above every case (prompt + output <= 58
+    # tokens): nothing is evicted, so they must be full exactly; h2o also runs the
+    # attention-mass pass (and per-layer decode steps) in every step.
+    "kv_policy_streaming_wide": Axis(
+        lambda m, make, ref: run_together(
+            make, list(m.cases), kv_policy="streaming", kv_budget_tokens=96
+        )
+    ),
+    "kv_policy_h2o_wide": Axis(
+        lambda m, make, ref: run_together(
+            make, list(m.cases), kv_policy="h2o", kv_budget_tokens=96, max_num_batched_tokens=16
+        )
+    ),
     "spec_draft_alone": Axis(
         lambda m, make, ref: _alone(make, list(m.cases), speculative_config=_self_draft(2))
     ),
@@ -604,3 +617,23 @@ def test_server_chat_stream_matches_non_stream(served_tiny: Any) -> None:
 
 def test_model_path_exists() -> None:
     assert Path(default_gguf_path()).is_file()
+
+
+# Evicting KV policies: a 20-token budget (evicting every 8 tokens) that every
+# case outgrows. Within one policy the answer must not depend on the batch or
+# the chunking: evictions happen when a request's own cache reaches its cap
+# (chunks are cut there), whoever shares the step.
+EVICTING: dict[str, Any] = {"kv_budget_tokens": 20, "kv_evict_interval": 8}
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "rkv", "vote"])
+def test_tiny_kv_policy_evicting(tiny: Model, policy: str) -> None:
+    make = tiny.factory(MODES["exact"])
+    settings = {"kv_policy": policy, **EVICTING}
+    ref = run_alone(make, list(tiny.cases), **settings)
+    batched = run_together(make, list(tiny.cases), **settings)
+    chunked = run_together(make, list(tiny.cases), max_num_batched_tokens=16, **settings)
+    for axis, got in (("batch", batched), ("chunked16", chunked)):
+        for i, (choices, want) in enumerate(zip(got, ref)):
+            where = f"tiny/exact/{policy}-evicting/{axis} case {i}"
+            assert_same(choices[0], want, where, prompt_logprobs=True, atol=LOGPROB_ATOL)

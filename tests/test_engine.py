@@ -200,6 +200,7 @@ def test_execution_path_resolution(tiny_dirs: dict[str, Path]) -> None:
         "kv_cache_dtype": "float16",
         "attention": "cpu",
         "decode_step": "per_layer",
+        "kv_policy": "full",
     }
     assert "cpu_linear=onednn kv_cache_dtype=float16" in eng.describe()
     exact = tiny_engine(tiny_dirs["llama"], **EXACT)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention_mass import attention_mass_ref
+
 
 @dataclass
 class AttentionMetadata:
@@ -45,6 +47,10 @@ class AttentionMetadata:
         query_lens_cpu: per-sequence query lengths as Python ints (host copy).
         seq_lens_cpu: ``seq_lens`` as Python ints (host copy).
         query_start_loc_cpu: ``query_start_loc`` as Python ints (host copy).
+        attn_mass: float32 ``[B, >= max_seq_len]`` or None. When set (a KV
+            policy asked), every layer adds the attention mass each cached key
+            of sequence ``i`` receives this step to row ``i``
+            (:meth:`AttentionBackend.accumulate_attention_mass`).
     """
 
     query_start_loc: torch.Tensor
@@ -57,6 +63,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int]
+    attn_mass: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -106,3 +113,22 @@ class AttentionBackend(ABC):
             itself (causal). ``num_heads`` must be a multiple of ``num_kv_heads``
             (grouped-query attention).
         """
+
+    def accumulate_attention_mass(
+        self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> None:
+        """Add this layer's per-key attention mass to ``meta.attn_mass`` (after
+        ``forward`` stored the step's keys). A separate pass over the keys (the
+        torch reference here; backends may override with a kernel), so the
+        attention kernels are untouched and pay nothing when no policy asks."""
+        if meta.attn_mass is None:
+            return
+        attention_mass_ref(
+            q,
+            k_cache,
+            meta.block_tables,
+            meta.query_start_loc_cpu,
+            meta.seq_lens_cpu,
+            scale,
+            meta.attn_mass,
+        )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from kernels.attention_mass import attention_mass_triton
 from kernels.cache_write import store_kvcache
 from kernels.paged_attention import paged_attention
 
@@ -44,4 +45,20 @@ class TritonAttentionBackend(AttentionBackend):
             meta.max_seq_len,
             scale,
             meta.num_decodes,
+        )
+
+    def accumulate_attention_mass(
+        self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> None:
+        """The Triton mass kernel (kernels/attention_mass.py)."""
+        if meta.attn_mass is None:
+            return
+        attention_mass_triton(
+            q,
+            k_cache,
+            meta.block_tables,
+            meta.query_start_loc_cpu,
+            meta.seq_lens_cpu,
+            scale,
+            meta.attn_mass,
         )

@@ -131,6 +131,9 @@ class KVCacheManager:
             return PrefixHit()
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
+        if req.kv_cap is not None:
+            # A KV policy's cap: the hit must leave room for one computed token.
+            max_blocks = min(max_blocks, (req.kv_cap - 1) // bs)
         if req.wants_prompt_logprobs:
             # The logprob of prompt token p comes from the hidden state at p - 1,
             # which a hit does not compute: a request that still needs prompt
@@ -218,7 +221,7 @@ class KVCacheManager:
         self, req: Request, num_new_tokens: int, cached: PrefixHit | None = None
     ) -> bool:
         hit = cached or PrefixHit()
-        need = self.blocks_needed(req.num_computed_tokens + hit.num_tokens + num_new_tokens)
+        need = self.blocks_needed(req.num_kv_tokens + hit.num_tokens + num_new_tokens)
         on_device = hit.device_blocks
         have = len(req.block_ids) + len(on_device)
         # Cached blocks with no reference sit in the free count; taking them uses them up.
@@ -241,7 +244,7 @@ class KVCacheManager:
             return False
         if hit is not None:
             self._take_hit(req, hit)
-        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
+        need = self.blocks_needed(req.num_kv_tokens + num_new_tokens)
         while len(req.block_ids) < need:
             block = self.pool.allocate()
             block.positions = self._positions(len(req.block_ids))
@@ -304,8 +307,12 @@ class KVCacheManager:
         return False
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Register ``req``'s full, computed blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
+        """Register ``req``'s full, computed blocks in the prefix cache.
+
+        Never once a KV policy has evicted tokens of ``req``: its blocks from
+        the first edited one on hold other tokens than their index says (the
+        blocks before it were registered already, while they were plain)."""
+        if not self.enable_prefix_caching or req.num_evicted_tokens:
             return
         bs = self.block_size
         # Capped by the known tokens: accepted drafts are computed before they join
@@ -339,6 +346,8 @@ class KVCacheManager:
         below = self.hierarchy
         if below is None or not req.block_ids or req.num_computed_tokens == 0:
             return False
+        if req.num_evicted_tokens:
+            return False  # a compacted cache is not block i = tokens i: recompute it
         bs = self.block_size
         self._swap_serial += 1
         blocks: list[tuple[int, BlockMeta, bool]] = []
@@ -389,10 +398,32 @@ class KVCacheManager:
             self.pool.free(block)
         req.block_ids = []
 
+    def replace_blocks(self, req: Request, first: int, total: int) -> list[int]:
+        """KV policies' compaction: give back ``req.block_ids[first:]`` (tail
+        first) and take fresh blocks until the table has ``total``; returns the
+        new ids (``req.block_ids[first:]``). Never fails: ``total`` is at most
+        the old length, and what was given back is handed out again. The new
+        blocks are private (reference 1, not hashed) and record the dense
+        positions ``i * block_size ...`` their keys are re-rotated to."""
+        if total > len(req.block_ids):
+            raise ValueError("a compaction cannot grow a block table")
+        for bid in reversed(req.block_ids[first:]):
+            self.pool.free(self.pool.blocks[bid])
+        del req.block_ids[first:]
+        while len(req.block_ids) < total:
+            block = self.pool.allocate()
+            block.positions = self._positions(len(req.block_ids))
+            req.block_ids.append(block.block_id)
+        return req.block_ids[first:]
+
     def free(self, req: Request) -> None:
         """Give back everything ``req`` holds in every tier (tail first, so
-        prefixes stay cached longest): device blocks and swapped-out blocks."""
+        prefixes stay cached longest): device blocks and swapped-out blocks.
+        A KV policy's evictions are forgotten with them (the cache is gone)."""
         self._free_device(req)
+        req.num_evicted_tokens = 0
+        if req.kv_state is not None:
+            req.kv_state.reset()
         if req.swapped_blocks:
             assert self.hierarchy is not None
             self.hierarchy.release(req.swapped_blocks)
@@ -500,12 +531,26 @@ class KVCacheManager:
             if req.block_ids or req.swapped_blocks:
                 raise AssertionError(f"finished request {req.request_id} still holds blocks")
             return
-        want = self.blocks_needed(req.num_computed_tokens)
+        want = self.blocks_needed(req.num_kv_tokens)
         if len(req.block_ids) != want:
             raise AssertionError(
                 f"request {req.request_id}: {len(req.block_ids)} blocks for "
-                f"{req.num_computed_tokens} computed tokens (want {want})"
+                f"{req.num_kv_tokens} cached tokens (want {want})"
             )
+        if req.kv_cap is not None and req.num_kv_tokens > req.kv_cap:
+            raise AssertionError(
+                f"request {req.request_id}: {req.num_kv_tokens} cached tokens over its KV "
+                f"policy's cap {req.kv_cap}"
+            )
+        st = req.kv_state
+        if st is not None and st.first_edited_block is not None:
+            # A block a policy edited is private: never shared, never in the prefix cache.
+            for bid in req.block_ids[st.first_edited_block :]:
+                b = self.pool.blocks[bid]
+                if b.block_hash is not None or b.ref_count != 1:
+                    raise AssertionError(
+                        f"request {req.request_id}: edited KV block {bid} is shared or cached"
+                    )
         if req.swapped_blocks and (req.block_ids or req.num_computed_tokens):
             raise AssertionError(f"swapped-out request {req.request_id} holds device blocks")
         if req.swapped_blocks:

@@ -180,6 +180,8 @@ class LlamaAttention(nn.Module):
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q, k = self.ops.rope(q, k, rope)
         o = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if meta.attn_mass is not None:  # a KV policy ranks keys by attention (issue 17)
+            self.attn_backend.accumulate_attention_mass(q, kv_cache[0], meta, self.scale)
         out: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
         return out
 

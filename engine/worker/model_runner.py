@@ -55,6 +55,9 @@ class StepResult:
     # MoE capacity: (token slots rerouted, dropped) this step, summed over layers,
     # for the requests that had any.
     moe_capacity: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # KV policies: per request, float32 [cache length] attention mass its keys got
+    # this step (summed over layers, heads, queries); only when a policy asked.
+    attn_mass: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -138,7 +141,12 @@ class ModelRunner:
         input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
         hidden = None
         routing = self._routing_context(batch, positions, inputs.chunk_starts)
-        if self.graphs is not None:
+        if any(s.req.kv_state is not None and s.req.kv_state.policy.needs_mass for s in batch):
+            # The per-layer mass pass runs in the model's forward: no graph, no fused step.
+            meta.attn_mass = torch.zeros(
+                (len(batch), meta.max_seq_len), dtype=torch.float32, device=self.device
+            )
+        elif self.graphs is not None:
             hidden = self.graphs.run(input_ids, positions, meta)
         elif self.native_step is not None:
             hidden = self.native_step.run(input_ids, positions, meta)
@@ -149,6 +157,10 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, routing)
 
         result = StepResult()
+        if meta.attn_mass is not None:
+            mass = meta.attn_mass.cpu()
+            for i, s in enumerate(batch):
+                result.attn_mass[s.req.request_id] = mass[i, : meta.seq_lens_cpu[i]]
         if routing is not None:
             result.moe_capacity = _capacity_counts(batch, routing, inputs.chunk_starts)
         sample_rows: list[int] = []
@@ -292,15 +304,18 @@ def build_inputs(
     for s in batch:
         toks = s.token_ids()
         ids.extend(toks)
-        pos.extend(range(s.start, s.start + s.num_new_tokens))
+        # Cache positions: a KV policy's evictions put them below the token index
+        # (kept tokens are packed and re-rotated, engine/kv/policies/runtime.py).
+        start = s.start - s.req.num_evicted_tokens
+        pos.extend(range(start, start + s.num_new_tokens))
         if s.num_new_tokens > 1 and split_verification and s.num_draft_tokens > 0:
             for j in range(s.num_new_tokens):
                 qlens.append(1)
-                seq_lens.append(s.start + j + 1)
+                seq_lens.append(start + j + 1)
                 seq_blocks.append(s.req.block_ids)
         else:
             qlens.append(s.num_new_tokens)
-            seq_lens.append(s.start + s.num_new_tokens)
+            seq_lens.append(start + s.num_new_tokens)
             seq_blocks.append(s.req.block_ids)
         chunk_starts.append(len(ids))
     max_blocks = max(1, *(len(b) for b in seq_blocks)) if seq_blocks else 1

@@ -21,9 +21,10 @@ from server.generation import (
     ChoiceFormat,
     ChoiceState,
     Generation,
-    output_budget,
+    request_budget,
     request_options,
     sampling_params,
+    windowed,
 )
 from server.logprobs import chat_logprobs, prompt_logprobs_json
 from server.prompts import ChatPrompt, render_chat_prompt, template_kwargs
@@ -58,16 +59,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         kwargs,
         tools=offered,
         continue_final_message=body.continue_final_message,
-        with_segments=_wants_segments(state, body),
+        with_segments=_wants_segments(engine, body),
     )
     compression = await _compress_if_needed(engine, state, body, messages, prompt, offered, kwargs)
     if compression is not None:
         prompt = compression.prompt
         messages = [messages[i] for i in compression.kept]
     prompt_ids = prompt.token_ids
-    budget = output_budget(
-        body.output_budget(), len(prompt_ids), engine.max_model_len, "the messages"
-    )
+    budget = request_budget(body, body.output_budget(), len(prompt_ids), engine, "the messages")
     top_k = body.top_logprobs or 0
     params = sampling_params(
         body,
@@ -109,10 +108,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     return await generation.answer(request, fmt)
 
 
-def _wants_segments(state: State, body: ChatCompletionRequest) -> bool:
-    """Whether the engine reads this request's segments (a KV policy that evicts
-    whole turns). Nothing does yet on this branch: the KV policies add it."""
-    return False
+def _wants_segments(engine: EngineClient, body: ChatCompletionRequest) -> bool:
+    """Whether the engine reads this request's segments: its KV policy (its own
+    ``kv_policy`` or the server's ``--kv-policy``) evicts whole turns
+    (``segmented``) or votes with a segment scorer (``vote``)."""
+    asked = body.kv_policy.type if body.kv_policy is not None else None
+    policy = asked if asked is not None else engine.execution_info.get("kv_policy", "full")
+    return policy in ("segmented", "vote")
 
 
 async def _compress_if_needed(
@@ -133,6 +135,8 @@ async def _compress_if_needed(
     requested = body.output_budget()
     n = len(prompt.token_ids)
     fits = n < max_len if requested is None else n + requested <= max_len
+    if windowed(body, engine):
+        return None  # a KV policy bounds the cache: nothing needs dropping
     if fits or not wants_compression(body.truncation, state.config.context_compression):
         return None
     need = requested if requested is not None else state.config.context_compression_reserve

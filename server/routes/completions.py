@@ -18,7 +18,7 @@ from server.generation import (
     ChoiceFormat,
     ChoiceState,
     Generation,
-    output_budget,
+    request_budget,
     request_options,
     sampling_params,
 )
@@ -43,7 +43,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     rid_base = request_id(request)
     suffix = uuid.uuid4().hex[:8]
     for i, ids in enumerate(prompts):
-        budget = output_budget(body.output_budget(), len(ids), engine.max_model_len, "your prompt")
+        budget = request_budget(body, body.output_budget(), len(ids), engine, "your prompt")
         params = sampling_params(
             body,
             max_tokens=budget,

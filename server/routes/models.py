@@ -31,6 +31,13 @@ async def list_models(state: State) -> dict[str, Any]:
                 "parent": None,
                 "max_model_len": engine.max_model_len,
                 "fuel": dict(engine.execution_info),  # ours: the execution path
+                # Ours (issue 17): under a KV policy (the default here, or a request's
+                # kv_policy extension) prompt + max_tokens may exceed max_model_len.
+                "kv_policy": {
+                    "default": engine.execution_info.get("kv_policy", "full"),
+                    "windowed_context": engine.execution_info.get("kv_policy", "full") != "full",
+                    "request_extension": True,
+                },
             }
             for name in state.served_names(engine)
         ],
