@@ -127,7 +127,8 @@ def _binds(endpoint: str) -> bool:
 
 
 class KVEventPublisher:
-    """Publishes batches off the engine thread. ``publish`` never blocks."""
+    """The publisher contract, and the ``"null"`` publisher: ``publish`` never
+    blocks; this base drops (and counts) every batch."""
 
     def __init__(self, max_queue_size: int = 1) -> None:
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue_size)
