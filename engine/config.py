@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from engine.kv.event_publisher import KVEventsConfig, parse_kv_events_config
 from engine.settings import setting, validate_fields
 from engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
@@ -233,6 +234,22 @@ class EngineConfig:
         "output keeps the target's distribution.",
         kind="json",
     )
+    kv_events_config: dict[str, Any] | None = setting(
+        None,
+        "KV cache events for a KV-aware router, as JSON with vLLM's keys: "
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": null, "buffer_steps": 10000, "hwm": 100000, '
+        '"max_queue_size": 100000, "topic": ""}. Batches of BlockStored/BlockRemoved/'
+        "AllBlocksCleared in vLLM's msgpack format on a ZMQ PUB socket (medium GPU for the "
+        "device pool, CPU for the host tier, DISK for the disk tier).",
+        kind="json",
+    )
+    data_parallel_rank: int = setting(
+        0,
+        "This replica's data-parallel rank: stamped on KV event batches, and the KV event "
+        "endpoints' TCP ports are offset by it (set per replica by --data-parallel-size).",
+        minimum=0,
+    )
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -283,6 +300,7 @@ class EngineConfig:
                 f"--speculative-config with --kv-cache-dtype {self.kv_cache_dtype} is not "
                 "built (KIVI blocks cannot roll back rejected drafts yet)"
             )
+        self.kv_events: KVEventsConfig | None = parse_kv_events_config(self.kv_events_config)
 
     def _check_kivi(self) -> None:
         """KIVI settings that need no model (the head size is checked at load)."""

@@ -26,6 +26,8 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv.block_pool import KVBlock
 from engine.kv.builder import build_hierarchy
+from engine.kv.event_publisher import KVEventPublisher, make_publisher
+from engine.kv.events import KVEventBatch, KVEventCollector
 from engine.kv.format import GroupedKVFormat, KVFormat, PlainKVFormat
 from engine.kv.hierarchy import KVHierarchy
 from engine.kv.kivi_format import KiviKVFormat
@@ -314,6 +316,15 @@ class LLMEngine:
         if config.enable_request_traces:
             self.traces = TraceStore(config.max_traces)
             self.tracer = TraceRecorder(self.traces, log_prompts=config.log_prompts)
+        # KV events (--kv-events-config): collected by the KV tiers during the
+        # step, published by the publisher's thread after it. Last in __init__:
+        # nothing after it can fail and leave its thread behind.
+        self.kv_events: KVEventCollector | None = None
+        self.kv_event_publisher: KVEventPublisher | None = None
+        if config.kv_events is not None:
+            self.kv_events = KVEventCollector(config.block_size)
+            self.kv.attach_events(self.kv_events)
+            self.kv_event_publisher = make_publisher(config.kv_events, config.data_parallel_rank)
 
     def _kv_format(self, kv_dtype: torch.dtype) -> KVFormat:
         """The KV block format of ``--kv-cache-dtype`` (plain, or KIVI; every
@@ -797,6 +808,21 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------
     def step(self) -> list[tuple[GroupState, RequestOutput]]:
+        outputs = self._step()
+        if self.kv_events is not None:
+            self._publish_kv_events()
+        return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Hand this step's KV events to the publisher thread (never blocks)."""
+        assert self.kv_events is not None and self.kv_event_publisher is not None
+        events = self.kv_events.take()
+        if events:
+            self.kv_events.counters.batches += 1
+            batch = KVEventBatch(time.time(), events, self.config.data_parallel_rank)
+            self.kv_event_publisher.publish(batch)
+
+    def _step(self) -> list[tuple[GroupState, RequestOutput]]:
         self.kv.poll_transfers()
         spec = self.speculator
         if spec is not None:
@@ -884,6 +910,9 @@ class LLMEngine:
         self.flush_kv_tiers()
         if self.kv.hierarchy is not None:
             self.kv.hierarchy.close()
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()  # what the flush wrote to disk
+            self.kv_event_publisher.close()
         if self.tp is not None:
             self.tp.close()
 

@@ -9,7 +9,8 @@ Wiring:
 * The router binds ``--host:--port``, the address clients use.
 * Replica ``i`` binds ``--host:ports[i]``: ``--data-parallel-ports`` when given,
   else ``--port+1 ... --port+N``. Each replica is this process's own command
-  line with ``--data-parallel-size 1 --port P`` appended (later flags win), so
+  line with ``--data-parallel-size 1 --port P --data-parallel-rank i`` appended
+  (later flags win; the rank offsets ``--kv-events-config`` ports), so
   model, engine flags, API key and ``--config`` file are the same everywhere.
   On the CPU, each replica gets ``cores // N`` torch threads unless
   ``--num-threads`` is given (two replicas must not both spread over every core).
@@ -212,6 +213,9 @@ class Supervisor:
         cmd += ["--data-parallel-size", "1", "--port", str(port)]
         if self.num_threads is None:
             cmd += ["--num-threads", str(max(1, usable_cores() // len(self.ports)))]
+        # The rank offsets the KV event endpoints' ports (--kv-events-config) and
+        # is stamped on the replica's event batches, as vLLM's DP ranks do.
+        cmd += ["--data-parallel-rank", str(self.ports.index(port))]
         return cmd
 
     def start(self) -> None:

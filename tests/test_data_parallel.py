@@ -126,9 +126,11 @@ def test_replica_command_appends_its_port_and_threads(tmp_path: Path) -> None:
     assert cmd[3:10] == argv
     assert cmd[10:14] == ["--data-parallel-size", "1", "--port", "18002"]
     assert cmd[14] == "--num-threads" and int(cmd[15]) >= 1
+    assert cmd[16:] == ["--data-parallel-rank", "1"]  # ports 18001, 18002: the second
     # The appended flags win: the replica is one server on its own port.
-    _, replica_cfg = build_configs(resolve_settings(cmd[3:]))
+    engine_cfg, replica_cfg = build_configs(resolve_settings(cmd[3:]))
     assert replica_cfg.data_parallel_size == 1 and replica_cfg.port == 18002
+    assert engine_cfg.data_parallel_rank == 1
     assert replica_cfg.api_key == "k"
 
 

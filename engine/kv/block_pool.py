@@ -23,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine.kv.events import MEDIUM_GPU, KVEventCollector
+
 
 @dataclass(eq=False)
 class KVBlock:
@@ -43,6 +45,7 @@ class KVBlock:
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens a hashed block holds (hit verification)
     positions: Sequence[int] | None = None
+    parent_hash: bytes | None = None  # the previous block's key in its chain (KV events)
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
@@ -128,6 +131,8 @@ class BlockPool:
         self._cached: dict[bytes, KVBlock] = {}
         self._on_evict = on_evict
         self.num_evicted = 0  # cached blocks reclaimed for reuse (counter)
+        # KV events (engine/kv/events.py): set by the engine when they are on.
+        self.events: KVEventCollector | None = None
 
     # ---- counts -------------------------------------------------------
     @property
@@ -188,20 +193,33 @@ class BlockPool:
             return None
         return block
 
-    def cache(self, block: KVBlock, block_hash: bytes, token_ids: Sequence[int]) -> None:
-        """Register a full, written block under its key (first writer wins)."""
+    def cache(
+        self,
+        block: KVBlock,
+        block_hash: bytes,
+        token_ids: Sequence[int],
+        parent: bytes | None = None,
+    ) -> None:
+        """Register a full, written block under its key (first writer wins);
+        ``parent`` is the key of the block before it in its chain (None: first)."""
         if block.block_hash is not None or block_hash in self._cached:
             return
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        block.parent_hash = parent
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent, block.token_ids, MEDIUM_GPU)
 
     def _uncache(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash, MEDIUM_GPU)
             block.block_hash = None
             block.token_ids = None
+            block.parent_hash = None
         block.positions = None
 
     def cached_blocks(self) -> list[KVBlock]:
@@ -209,13 +227,26 @@ class BlockPool:
         return list(self._cached.values())
 
     def reset_prefix_cache(self) -> int:
-        """Forget every evictable cached block; returns how many were dropped."""
+        """Forget every evictable cached block; returns how many were dropped.
+
+        KV events: one ``AllBlocksCleared``, then a ``BlockStored`` for each
+        cached block still referenced (a running request's prefix stays
+        cached, so a consumer's view stays exact)."""
+        events, self.events = self.events, None  # the reset is reported as a whole
         n = 0
-        while len(self._evictable):
-            block = self._evictable.pop_victim()
-            self._uncache(block)
-            self._free.append(block.block_id)
-            n += 1
+        try:
+            while len(self._evictable):
+                block = self._evictable.pop_victim()
+                self._uncache(block)
+                self._free.append(block.block_id)
+                n += 1
+        finally:
+            self.events = events
+        if events is not None:
+            events.cleared()
+            for b in self._cached.values():
+                assert b.block_hash is not None and b.token_ids is not None
+                events.stored(b.block_hash, b.parent_hash, b.token_ids, MEDIUM_GPU)
         return n
 
     def check_invariants(self) -> None:

@@ -63,6 +63,7 @@ import torch
 import xxhash
 
 from engine.kv.block_pool import EvictionPolicy, KVBlock, LRUEvictionPolicy
+from engine.kv.events import MEDIUM_DISK, KVEventCollector
 from engine.kv.tier import BlockMeta, KVTier, TierUsage
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class DiskEntry(KVBlock):
     """One file in the index: ``block_id`` is a serial number, ``block_hash`` the name."""
 
     nbytes: int = 0
+    key: bytes | None = None  # the block key, for blocks written by this process (KV events)
 
     @property
     def name(self) -> str:
@@ -116,6 +118,9 @@ class DiskTier(KVTier):
         self.file_nbytes = self.header_nbytes + block_nbytes
         self.writable = True
         self._lock = threading.Lock()
+        # KV events (engine/kv/events.py): blocks this process wrote and evicted, as "DISK"
+        # (any thread: the collector locks).
+        self.events: KVEventCollector | None = None
         self._index: dict[bytes, DiskEntry] = {}
         self._lru: EvictionPolicy = eviction or LRUEvictionPolicy()
         self._serial = 0
@@ -163,8 +168,8 @@ class DiskTier(KVTier):
                 self._add_locked(name, size)
             self._evict_over_budget_locked()
 
-    def _add_locked(self, name: bytes, size: int) -> DiskEntry:
-        e = DiskEntry(self._serial, block_hash=name, nbytes=size)
+    def _add_locked(self, name: bytes, size: int, key: bytes | None = None) -> DiskEntry:
+        e = DiskEntry(self._serial, block_hash=name, nbytes=size, key=key)
         self._serial += 1
         self._index[name] = e
         self._lru.add(e)
@@ -183,6 +188,8 @@ class DiskTier(KVTier):
         assert isinstance(victim, DiskEntry) and victim.block_hash is not None
         del self._index[victim.block_hash]
         self.used_bytes -= victim.nbytes
+        if self.events is not None and victim.key is not None:
+            self.events.removed(victim.key, MEDIUM_DISK)
         self._unlink(self._path(victim.block_hash))
         self.counters.evicted += 1
 
@@ -337,7 +344,9 @@ class DiskTier(KVTier):
                 self._unlink(Path(tmp))
         with self._lock:
             if name not in self._index:
-                self._add_locked(name, len(blob))
+                self._add_locked(name, len(blob), meta.key)
+                if self.events is not None and meta.token_ids is not None:
+                    self.events.stored(meta.key, meta.parent, meta.token_ids, MEDIUM_DISK)
             self.counters.stored += 1
             self._evict_over_budget_locked()
         return True

@@ -30,6 +30,7 @@ cached device block) at the latest when the server drains.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -176,7 +177,7 @@ class KVHierarchy:
             if stored.token_ids != meta.token_ids:  # a key collision: treat as foreign
                 self.disk.counters.corrupt += 1
                 break
-            e = self.host.reserve(stored)
+            e = self.host.reserve(dataclasses.replace(stored, parent=meta.parent))
             if e is None:
                 break
             e.on_disk = e.from_disk = True

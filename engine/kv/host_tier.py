@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from engine.kv.block_pool import EvictionPolicy, KVBlock, LRUEvictionPolicy
+from engine.kv.events import MEDIUM_CPU, KVEventCollector
 from engine.kv.tier import BlockMeta, KVTier, TierUsage
 
 
@@ -57,7 +58,7 @@ class HostEntry(KVBlock):
         return self.block_id
 
     def meta(self) -> BlockMeta:
-        return BlockMeta(self.key, self.token_ids, self.positions or ())
+        return BlockMeta(self.key, self.token_ids, self.positions or (), self.parent_hash)
 
 
 class HostTier(KVTier):
@@ -84,6 +85,8 @@ class HostTier(KVTier):
         self._entries: dict[bytes, HostEntry] = {}
         self._by_slot: dict[int, HostEntry] = {}
         self._evictable: EvictionPolicy = eviction or LRUEvictionPolicy()
+        # KV events (engine/kv/events.py): content entries stored and dropped, as "CPU".
+        self.events: KVEventCollector | None = None
 
     # ---- lookups --------------------------------------------------------
     def contains(self, key: bytes) -> bool:
@@ -135,11 +138,14 @@ class HostTier(KVTier):
             block_hash=meta.key,
             token_ids=meta.token_ids,
             positions=meta.positions,
+            parent_hash=meta.parent,
             private=private,
         )
         self._entries[meta.key] = e
         self._by_slot[slot] = e
         self.counters.stored += 1
+        if self.events is not None and not private and meta.token_ids is not None:
+            self.events.stored(meta.key, meta.parent, meta.token_ids, MEDIUM_CPU)
         return e
 
     def pin(self, e: HostEntry) -> None:
@@ -165,6 +171,8 @@ class HostTier(KVTier):
             self._evictable.add(e)
 
     def _drop(self, e: HostEntry) -> None:
+        if self.events is not None and not e.private and e.token_ids is not None:
+            self.events.removed(e.key, MEDIUM_CPU)
         del self._entries[e.key]
         del self._by_slot[e.slot]
         self._free.append(e.slot)

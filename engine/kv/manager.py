@@ -20,6 +20,7 @@ import struct
 from dataclasses import dataclass, field
 
 from engine.kv.block_pool import BlockPool, EvictionPolicy, KVBlock, hash_block
+from engine.kv.events import KVEventCollector
 from engine.kv.hierarchy import KVHierarchy, TransferPlan, TransferTicket
 from engine.kv.host_tier import HostEntry
 from engine.kv.tier import BlockMeta
@@ -159,7 +160,8 @@ class KVCacheManager:
             if found is True:
                 sources.append(None)  # read below, in one batch
                 disk_at.append(i)
-                disk_meta.append(BlockMeta(key, tuple(tokens), self._positions(i)))
+                parent = req.block_hashes[i - 1] if i else None
+                disk_meta.append(BlockMeta(key, tuple(tokens), self._positions(i), parent))
             else:
                 sources.append(found)
             if block is not None:
@@ -269,7 +271,11 @@ class KVCacheManager:
                 below.host.unpin(s)  # the plan's pin (promote) now holds it
                 block.positions = s.positions or self._positions(base + i)
                 if self.enable_prefix_caching and not s.private and s.token_ids is not None:
-                    self.pool.cache(block, s.key, s.token_ids)
+                    # The chain's previous block is the one just before it in the table.
+                    prev = self.pool.blocks[req.block_ids[-1]] if req.block_ids else None
+                    self.pool.cache(
+                        block, s.key, s.token_ids, prev.block_hash if prev is not None else None
+                    )
                 if below.async_copies:
                     self._pending_blocks[block.block_id] = below.current_ticket
                     waits.append(below.current_ticket)
@@ -317,7 +323,10 @@ class KVCacheManager:
             block = self.pool.blocks[req.block_ids[i]]
             if block.block_hash is None:
                 self.pool.cache(
-                    block, req.block_hashes[i], req.all_token_ids[i * bs : (i + 1) * bs]
+                    block,
+                    req.block_hashes[i],
+                    req.all_token_ids[i * bs : (i + 1) * bs],
+                    req.block_hashes[i - 1] if i else None,
                 )
 
     # ---- preemption by swapping ------------------------------------------
@@ -346,7 +355,8 @@ class KVCacheManager:
             block = self.pool.blocks[bid]
             positions = block.positions or self._positions(i)
             if block.block_hash is not None and block.token_ids is not None:
-                blocks.append((bid, BlockMeta(block.block_hash, block.token_ids, positions), False))
+                meta = BlockMeta(block.block_hash, block.token_ids, positions, block.parent_hash)
+                blocks.append((bid, meta, False))
             else:
                 key = hashlib.sha256(
                     b"fuel-swap\0" + struct.pack("<qq", self._swap_serial, i)
@@ -424,8 +434,18 @@ class KVCacheManager:
     def _demote(self, block: KVBlock) -> None:
         """BlockPool callback: a cached block is being reclaimed (see KVHierarchy.demote)."""
         assert self.hierarchy is not None and block.block_hash is not None
-        meta = BlockMeta(block.block_hash, block.token_ids, block.positions or ())
+        meta = BlockMeta(
+            block.block_hash, block.token_ids, block.positions or (), block.parent_hash
+        )
         self.hierarchy.demote(block.block_id, meta)
+
+    def attach_events(self, events: KVEventCollector) -> None:
+        """Report blocks stored in and removed from every tier to ``events``."""
+        self.pool.events = events
+        if self.hierarchy is not None:
+            self.hierarchy.host.events = events
+            if self.hierarchy.disk is not None:
+                self.hierarchy.disk.events = events
 
     def take_transfers(self) -> TransferPlan | None:
         """This step's block copies for the executor (None: nothing to copy)."""
@@ -449,7 +469,8 @@ class KVCacheManager:
         out: list[tuple[int, BlockMeta]] = []
         for b in self.pool.cached_blocks():
             if b.block_hash is not None and b.token_ids is not None:
-                out.append((b.block_id, BlockMeta(b.block_hash, b.token_ids, b.positions or ())))
+                meta = BlockMeta(b.block_hash, b.token_ids, b.positions or (), b.parent_hash)
+                out.append((b.block_id, meta))
         return out
 
     # ---- observability ------------------------------------------------------

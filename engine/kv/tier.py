@@ -37,6 +37,9 @@ class BlockMeta:
     key: bytes
     token_ids: tuple[int, ...] | None
     positions: Sequence[int]
+    # The previous block's key in its chain, when known (KV events only; not
+    # stored on disk, so a block read back from disk gets it from its lookup).
+    parent: bytes | None = None
 
 
 @dataclass(frozen=True)
