@@ -456,14 +456,24 @@ def reference(model: Model, mode: str) -> list[Answer]:
     return _REFERENCES[key]
 
 
-# KIVI formats refuse speculative decoding at start-up (rolling back a KIVI
-# block is not built): on those axes the refusal is what is checked.
+# KIVI formats refuse speculative decoding (rolling back a KIVI block is not
+# built), tensor parallelism and KV policies at start-up: on those axes the
+# refusal is what is checked.
 KIVI_MODES = frozenset({"kivi4", "kivi2"})
 
 
+def _kivi_refusal(axis: str) -> str | None:
+    if axis.startswith("spec_"):
+        return "KIVI blocks cannot roll back"
+    if axis == "tp2" or axis.startswith("kv_policy_"):
+        return "a --kv-policy other than full is not built"
+    return None
+
+
 def check_axis(model: Model, mode: str, axis: str) -> None:
-    if mode in KIVI_MODES and axis.startswith("spec_"):
-        with pytest.raises(ValueError, match="KIVI blocks cannot roll back"):
+    refusal = _kivi_refusal(axis) if mode in KIVI_MODES else None
+    if refusal is not None:
+        with pytest.raises(ValueError, match=refusal):
             AXES[axis].run(model, model.factory(MODES[mode]), [])
         return
     ref = reference(model, mode)
