@@ -8,8 +8,9 @@ KV cache (400) and a latency budget the predictor says cannot be met (429 whose
 message states the predicted time).
 
 One server for the module (model load dominates): ``--max-num-seqs 4
---max-waiting-requests 4`` and a 16 MiB KV cache (22 blocks of 16 tokens with
-the default model in float32), so a short request fits but 600 tokens never do.
+--max-waiting-requests 4`` and a 16 MiB KV cache (45 blocks of 16 tokens with
+the default model's float16 KV, the CPU default), so a short request fits but
+900 tokens never do.
 """
 
 from __future__ import annotations
@@ -172,7 +173,9 @@ def test_never_fits_kv_cache_is_400_at_once(base_url: str) -> None:
     payload = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Write a long story."}],
-        "max_tokens": 600,  # below --max-model-len 1024, above the 352-token KV cache
+        # Below --max-model-len 1024, above the KV cache: 16 MiB of float16 KV
+        # (the CPU default) holds 720 tokens.
+        "max_tokens": 900,
     }
     t0 = time.monotonic()
     r = httpx.post(f"{base_url}/v1/chat/completions", json=payload, timeout=30)
