@@ -75,7 +75,14 @@ def test_no_setting_in_both_configs() -> None:
 
 def test_literal_choices_are_flag_choices_and_validated() -> None:
     actions = {a.dest: a for a in build_parser()._actions}
-    assert actions["kv_cache_dtype"].choices == ["auto", "float32", "float16", "bfloat16"]
+    assert actions["kv_cache_dtype"].choices == [
+        "auto",
+        "float32",
+        "float16",
+        "bfloat16",
+        "kivi4",
+        "kivi2",
+    ]
     assert actions["attention_backend"].choices == ["auto", "torch", "triton", "cpu"]
     with pytest.raises(ValueError, match="--attention-backend: 'cuda' is not one of"):
         EngineConfig(attention_backend="cuda")  # type: ignore[arg-type]
