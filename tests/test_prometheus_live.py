@@ -63,7 +63,20 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
 @pytest.fixture
 def real_server(tmp_path: Path) -> Iterator[Target]:
     """The real Fuel Serve on the default model, one sequence at a time, queue of one."""
-    flags = ["--host", "127.0.0.1", "--max-num-seqs", "1", "--max-waiting-requests", "1"]
+    # n-gram speculation on (fixed draft counts, 1-token lookups: drafts every
+    # step), so the dashboard's speculative-decoding panels have series too.
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, '
+    spec += '"prompt_lookup_max": 2, "adaptive": false}'
+    flags = [
+        "--host",
+        "127.0.0.1",
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "1",
+        "--speculative-config",
+        spec,
+    ]
     with live_server(flags, tmp_path / "server.log", ready_timeout_s=300) as (_proc, base):
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         yield Target(base, model)
