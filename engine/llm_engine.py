@@ -819,7 +819,11 @@ class LLMEngine:
         events = self.kv_events.take()
         if events:
             self.kv_events.counters.batches += 1
-            batch = KVEventBatch(time.time(), events, self.config.data_parallel_rank)
+            # Rank 0 in the batch: each replica is its own engine instance behind
+            # the router (a static event source of one rank), and vllm-router drops
+            # a batch whose rank its subscriber does not serve. --data-parallel-rank
+            # only offsets the replica's event ports.
+            batch = KVEventBatch(time.time(), events, 0)
             self.kv_event_publisher.publish(batch)
 
     def _step(self) -> list[tuple[GroupState, RequestOutput]]:

@@ -70,6 +70,16 @@ def _wait(url: str, timeout_s: float, procs: list[subprocess.Popen[bytes]]) -> N
     raise AssertionError(f"{url} not ready within {timeout_s} s")
 
 
+def _wait_subscribed(log: Path, workers: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        if all(re.search(rf"subscriber for {re.escape(w)}\b", text) for w in workers):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the router did not subscribe to {workers} within {timeout_s} s")
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[str, list[str], str, str]]:
     model = make_tiny_checkpoint(tmp_path, "llama")
@@ -111,7 +121,11 @@ def cluster(tmp_path: Path) -> Iterator[tuple[str, list[str], str, str]]:
         procs.append(subprocess.Popen(cmd, stdout=router_log, stderr=subprocess.STDOUT))
         router = f"http://127.0.0.1:{router_port}"
         _wait(f"{router}/v1/models", 60, procs)
-        time.sleep(1.0)  # the router's subscribers connect once the workers are healthy
+        # ZMQ PUB drops what it publishes before a subscriber has joined: wait
+        # until the router logs both subscribers, then for their subscriptions
+        # to reach the publishers.
+        _wait_subscribed(tmp_path / "router.log", workers, 60)
+        time.sleep(1.0)
         yield router, workers, f"http://127.0.0.1:{metrics_port}/metrics", str(model)
     finally:
         for p in reversed(procs):

@@ -253,7 +253,9 @@ def test_sigterm_during_stream(server: Server) -> None:
         body = {
             "model": "smol",
             "prompt": "Tell me about the sea.",
-            "max_tokens": 40,
+            # Long enough that the drain outlasts the checks below: with the fast
+            # CPU defaults 40 tokens finished (and the server exited) within 0.5 s.
+            "max_tokens": 400,
             "stream": True,
             "ignore_eos": True,
             "temperature": 0,

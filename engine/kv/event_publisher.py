@@ -153,7 +153,6 @@ class ZmqKVEventPublisher(KVEventPublisher):
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
         super().__init__(config.max_queue_size)
         self.config = config
-        self.rank = data_parallel_rank
         self.endpoint = offset_endpoint(config.endpoint, data_parallel_rank)
         self.replay_endpoint = (
             offset_endpoint(config.replay_endpoint, data_parallel_rank)
@@ -176,7 +175,7 @@ class ZmqKVEventPublisher(KVEventPublisher):
             self.num_dropped += 1
             return
         if batch.data_parallel_rank is None:
-            batch.data_parallel_rank = self.rank
+            batch.data_parallel_rank = 0  # one engine instance per replica (see LLMEngine)
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
