@@ -539,6 +539,18 @@ class LLMEngine:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.is_self_draft and spec.quantization == self.linear_strategy.name:
+            # The draft would be the target itself: every draft token costs a
+            # target forward, and the draft's KV is computed for every token on
+            # top of the target's, so it can only slow the target down (measured
+            # 0.23-0.58x in docs/benchmarks/spec-decode.md before this refusal).
+            raise ValueError(
+                f"--speculative-config: the self-draft would run the target's own "
+                f"{spec.quantization} linears (--cpu-linear resolved to "
+                f"{self.linear_strategy.name}), so it cannot be cheaper than the target; "
+                "serve the float weights (--cpu-linear onednn) for a q4_1 self-draft, pick "
+                'another "quantization", give a smaller draft "model", or use "method": "ngram"'
+            )
         # The draft gets its own backend instance: backends memoise per-step plans.
         draft_backend = get_attention_backend(self.config.attention_backend, device)
         return DraftModelProposer.load(

@@ -106,6 +106,22 @@ MODES: dict[str, dict[str, Any]] = {
 ROUNDED_MODES = frozenset({"q4_1_f16kv", "q8_0", "kivi4", "kivi2"})
 
 
+def _self_draft_for(settings: dict[str, Any]) -> dict[str, Any]:
+    """The engine refuses a self-draft in the target's own linears (it could only
+    be slower than the target): where the mode's target runs Q4_1, the self-draft
+    axes draft in int8 instead of the default Q4_1."""
+    spec = settings.get("speculative_config")
+    if (
+        settings.get("cpu_linear") == "q4_1"
+        and isinstance(spec, dict)
+        and spec.get("method") == "draft_model"
+        and "model" not in spec
+        and spec.get("quantization", "q4_1") == "q4_1"
+    ):
+        return {**settings, "speculative_config": {**spec, "quantization": "int8"}}
+    return settings
+
+
 @dataclass(frozen=True)
 class Model:
     """A model under test: how to build its engine, and its cases."""
@@ -118,7 +134,7 @@ class Model:
 
     def factory(self, mode: dict[str, Any]) -> EngineFactory:
         def make(**overrides: Any) -> LLMEngine:
-            return LLMEngine(EngineConfig(**{**self.base, **mode, **overrides}))
+            return LLMEngine(EngineConfig(**_self_draft_for({**self.base, **mode, **overrides})))
 
         return make
 

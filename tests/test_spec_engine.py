@@ -290,3 +290,17 @@ def test_draft_model_must_fit_the_target(dirs: dict[str, Path]) -> None:
         engine(dirs, {"model": str(dirs["short"]), "num_speculative_tokens": 2})
     with pytest.raises(FileNotFoundError):
         engine(dirs, {"model": str(dirs["target"] / "nope"), "num_speculative_tokens": 2})
+
+
+def test_self_draft_in_the_targets_own_linears_is_refused(dirs: dict[str, Path]) -> None:
+    """A Q4_1 target with its Q4_1 self-draft would draft with itself: refused at
+    start-up, naming the way out; an int8 self-draft of the same target runs."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "adaptive": False}
+    with pytest.raises(ValueError, match=r"own q4_1 linears.*--cpu-linear onednn"):
+        engine(dirs, spec, cpu_linear="q4_1")
+    eng = engine(dirs, {**spec, "quantization": "int8"}, cpu_linear="q4_1")
+    try:
+        assert eng.speculator is not None
+        assert eng.linear_strategy.name == "q4_1"
+    finally:
+        eng.close()
