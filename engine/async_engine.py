@@ -20,10 +20,10 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, get_args
 
 from engine.client import EngineClient, ForcedToolChoice, JsonValue, ToolCallFormat
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KVPolicyName
 from engine.errors import EngineUnavailableError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -118,6 +118,9 @@ class AsyncEngine:
         # The execution path chosen at start-up (served in /v1/models as "fuel").
         self.execution_info = self.engine.info.execution()
         self.cache_config = self.engine.info.cache_config()
+        self.segment_policies = frozenset(
+            name for name in get_args(KVPolicyName) if self.engine.kv_policies.reads_segments(name)
+        )
         self.log_prompts = config.log_prompts
         self.traces_enabled = config.enable_request_traces
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()

@@ -157,6 +157,13 @@ class EngineClient(Protocol):
         ...
 
     @property
+    def segment_policies(self) -> frozenset[str]:
+        """The ``--kv-policy`` / ``kv_policy`` names under which the engine reads a
+        chat request's segments (``RequestOptions.segments``); the server renders
+        them only then (they cost a template render per message)."""
+        ...
+
+    @property
     def cache_config(self) -> Mapping[str, str]:
         """The KV cache's configuration as ``vllm:cache_config_info`` labels
         (block_size, cache_dtype, num_gpu_blocks, kv_tokens, ...), fixed at start-up."""

@@ -32,7 +32,7 @@ from engine.kv.format import GroupedKVFormat, KVFormat, PlainKVFormat
 from engine.kv.hierarchy import KVHierarchy
 from engine.kv.kivi_format import KiviKVFormat
 from engine.kv.manager import KVCacheManager
-from engine.kv.policies.resolve import KVPolicySpec, resolve_policy
+from engine.kv.policies.resolve import KVPolicySpec, policy_unavailable, resolve_policy
 from engine.kv.policies.runtime import KVPolicyRuntime
 from engine.kv.transfer import KVTransferExecutor
 from engine.models.linear import LinearChoice, LinearStrategy, make_linear_strategy
@@ -181,6 +181,7 @@ class EngineInfo:
 
     num_host_blocks: int = 0
     disk_tier_path: str | None = None
+    enable_prefix_caching: bool = True
 
     def cache_config(self) -> dict[str, str]:
         """vLLM's ``vllm:cache_config_info`` labels (num_gpu_blocks, block_size,
@@ -191,7 +192,7 @@ class EngineInfo:
             "cache_dtype": self.execution()["kv_cache_dtype"],
             "num_gpu_blocks": str(self.num_blocks),
             "num_cpu_blocks": str(self.num_host_blocks),
-            "enable_prefix_caching": "True",
+            "enable_prefix_caching": str(self.enable_prefix_caching),
             "kv_tokens": str(self.num_blocks * self.block_size),
             "kv_bytes_per_token": f"{self.kv_bytes_per_token:.1f}",
         }
@@ -289,6 +290,7 @@ class LLMEngine:
                 config.kv_cache_dtype if isinstance(kv_format, KiviKVFormat) else None
             ),
             kv_bytes_per_token=kv_format.bytes_per_token,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f bytes/token)",
@@ -430,6 +432,7 @@ class LLMEngine:
         )
         if cfg.kv_policy != "full" and not hasattr(self.model.model, "rotary_emb"):
             raise ValueError(f"--kv-policy {cfg.kv_policy} needs a RoPE model (it re-rotates keys)")
+        self._policy_unavailable = policy_unavailable(cfg, hasattr(self.model.model, "rotary_emb"))
         self.kv_policies = KVPolicyRuntime(
             cfg,
             self.kv,
@@ -694,7 +697,9 @@ class LLMEngine:
         """``validate`` under the request's KV policy (resolved here: the server's
         ``--kv-policy`` narrowed by ``options.kv_policy``; None is ``full``).
         Safe from any thread."""
-        spec = resolve_policy(self.config, options.kv_policy, self.info.max_model_len)
+        spec = resolve_policy(
+            self.config, options.kv_policy, self.info.max_model_len, self._policy_unavailable
+        )
         self.validate(prompt_token_ids, params, windowed=spec is not None)
         return spec
 
@@ -870,7 +875,12 @@ class LLMEngine:
         self.scheduler.update_after_step(sched, rolled_back)
         if spec is not None:
             spec.observe(sched.scheduled, accepted, t_target)
-        self.kv_policies.after_step([s.req for s in sched.scheduled], result.attn_mass)
+        try:
+            self.kv_policies.after_step([s.req for s in sched.scheduled], result.attn_mass)
+        except Exception:
+            # A compaction that fails ends this step's requests, not the engine loop.
+            logger.exception("KV policy step failed; ending the requests in it")
+            return self._fail(sched.scheduled)
         now = self.clock()
         if self.tracer.enabled:
             self._trace_step(sched, dt, result)

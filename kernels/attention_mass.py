@@ -121,14 +121,15 @@ def attention_mass_triton(
     if t_total == 0:
         return
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    seqs: list[int] = []
-    pos: list[int] = []
-    for i in range(len(seq_lens)):
-        qlen = query_start_loc[i + 1] - query_start_loc[i]
-        seqs.extend([i] * qlen)
-        pos.extend(range(seq_lens[i] - qlen, seq_lens[i]))
-    tok_seq = torch.tensor(seqs, dtype=torch.int32, device=q.device)
-    tok_pos = torch.tensor(pos, dtype=torch.int32, device=q.device)
+    # Each query row's sequence and position, vectorised (no loop over tokens):
+    # row j of sequence i is at seq_lens[i] - qlen_i + (j - start_i).
+    starts = torch.tensor(list(query_start_loc), dtype=torch.int64)
+    qlens = starts[1:] - starts[:-1]
+    tok_seq64 = torch.repeat_interleave(torch.arange(len(seq_lens)), qlens)
+    offset = torch.tensor(list(seq_lens), dtype=torch.int64) - qlens - starts[:-1]
+    tok_pos64 = torch.arange(int(starts[-1])) + offset[tok_seq64]
+    tok_seq = tok_seq64.to(device=q.device, dtype=torch.int32)
+    tok_pos = tok_pos64.to(device=q.device, dtype=torch.int32)
     qc = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     _mass_kernel[(t_total, hq)](

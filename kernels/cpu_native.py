@@ -285,6 +285,21 @@ def _decode_plan_checks(
     return checks
 
 
+def _require(kernel: str, checks: list[tuple[bool, str]]) -> None:
+    """Raise ValueError naming the first unmet precondition: a native kernel must
+    never be handed memory it would read wrongly."""
+    for ok, what in checks:
+        if not ok:
+            raise ValueError(f"{kernel} needs {what}")
+
+
+def _check_seq_lens(seq_lens: torch.Tensor, max_tokens: int) -> None:
+    """Every sequence length in ``[1, max_tokens]`` (its block table's capacity)."""
+    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    if lo < 1 or hi > max_tokens:
+        raise ValueError("seq_lens must be in [1, max_blocks * block_size]")
+
+
 class CpuKernels:
     """Handle on the loaded native library. Thread-safe: the kernels keep no state."""
 
@@ -396,13 +411,9 @@ class CpuKernels:
                 "contiguous tensors",
             ),
         ]
-        for ok, what in checks:
-            if not ok:
-                raise ValueError(f"paged_decode_attention needs {what}")
+        _require("paged_decode_attention", checks)
         if check_lengths and nd:
-            lo, hi = int(seq_lens.min()), int(seq_lens.max())
-            if lo < 1 or hi > block_tables.shape[1] * bs:
-                raise ValueError("seq_lens must be in [1, max_blocks * block_size]")
+            _check_seq_lens(seq_lens, block_tables.shape[1] * bs)
         res = torch.empty_like(q) if out is None else out
         if not (res.is_contiguous() and res.shape == q.shape and res.dtype == torch.float32):
             raise ValueError("out must be a contiguous float32 tensor shaped like q")
@@ -469,13 +480,9 @@ class CpuKernels:
             (block_tables.is_contiguous() and seq_lens.is_contiguous(), "contiguous tables"),
             (all(t.device.type == "cpu" for t in (q, k_cache, v_cache)), "CPU tensors"),
         ]
-        for ok, what in checks:
-            if not ok:
-                raise ValueError(f"kivi_decode_attention needs {what}")
+        _require("kivi_decode_attention", checks)
         if check_lengths and nd:
-            lo, hi = int(seq_lens.min()), int(seq_lens.max())
-            if lo < 1 or hi > block_tables.shape[1] * lay.block_size:
-                raise ValueError("seq_lens must be in [1, max_blocks * block_size]")
+            _check_seq_lens(seq_lens, block_tables.shape[1] * lay.block_size)
             bmax = int(block_tables.max()) if block_tables.numel() else 0
             if int(block_tables.min()) < 0 or bmax >= k_cache.shape[0]:
                 raise ValueError("block ids out of range")

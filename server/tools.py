@@ -43,12 +43,16 @@ class ToolPlan:
     ``parser`` None: tools are not offered (``tool_choice: "none"``).
     ``structured``: a grammar forcing the calls (``"required"`` or a named function);
     then ``forced`` is true and nothing but calls can be generated.
+    ``single_call``: ``parallel_tool_calls: false``. A forced turn's grammar
+    generates exactly one call; under ``auto`` no grammar applies (the model may
+    answer in text), so only the first call the model wrote is returned.
     """
 
     tools: list[JsonObject]
     parser: ToolParser | None = None
     structured: StructuredOutputSpec | None = None
     forced: bool = False
+    single_call: bool = False
 
 
 # Which parser reads which format, and the format a parser's forced calls take
@@ -146,7 +150,9 @@ def resolve_tool_calling(
         parser = get_tool_parser(parser_name, body.tools)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="tools") from None
-    plan = ToolPlan(tools=list(body.tools), parser=parser)
+    plan = ToolPlan(
+        tools=list(body.tools), parser=parser, single_call=body.parallel_tool_calls is False
+    )
     if choice == "auto":
         return plan
     if body.response_format is not None and body.response_format.type != "text":

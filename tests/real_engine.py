@@ -93,6 +93,10 @@ class SharedEngine:
         return self.inner.execution_info
 
     @property
+    def segment_policies(self) -> frozenset[str]:
+        return self.inner.segment_policies
+
+    @property
     def cache_config(self) -> Mapping[str, str]:
         return self.inner.cache_config
 

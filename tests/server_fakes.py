@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +121,7 @@ class FakeEngine:
     execution_info: dict[str, str] = field(
         default_factory=lambda: {"cpu_linear": "q4_1", "kv_cache_dtype": "float16"}
     )
+    segment_policies: frozenset[str] = frozenset({"segmented", "vote"})
     cache_config: dict[str, str] = field(
         default_factory=lambda: {
             "block_size": "16",
@@ -337,3 +339,32 @@ def assert_completion_schema(body: Any) -> None:
         if not _is_openai_null(e)
     ]
     assert not errors, (errors, body)
+
+
+def assert_error(
+    resp: Any, status: int, *, contains: str = "", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """``resp`` is an OpenAI-format error with ``status``, a message containing
+    ``contains`` and, where given, that ``param`` and ``code``; returns the error."""
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert_schema(body, "ErrorResponse")
+    err = body["error"]
+    assert contains.lower() in err["message"].lower(), err
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return dict(err)
+
+
+def sse_events(raw: str) -> list[Any]:
+    """Split raw SSE text strictly: every event is ``data: ...\\n\\n``."""
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    events = []
+    for block in raw.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events[:-1]

@@ -427,3 +427,11 @@ def test_segments_reach_the_engine_only_for_turn_evicting_policies(
             (3, "user"),
         ]
         assert segments[-1].end <= len(last_prompt(engine))
+    # The engine decides which policies read turns (the default vote has a segment
+    # weight); the token-level ones get none.
+    assert engine.segment_policies == frozenset({"segmented", "vote"})
+    for policy in ("streaming", "h2o", "rkv"):
+        kv = {"type": policy, "budget_tokens": 96, "sink_tokens": 4}
+        r = client.post(CHAT, json={**body, "kv_policy": kv})
+        assert r.status_code == 200, r.text
+        assert engine.calls[-1][3].segments == ()  # type: ignore[union-attr]

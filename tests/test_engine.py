@@ -225,6 +225,9 @@ def test_prefix_cache_on_off_identical(tiny_dirs: dict[str, Path]) -> None:
     seq_off = [LLM(engine=off).generate([p], greedy())[0].token_ids for p in prompts]
     assert seq_on == seq_off
     assert on.kv.prefix_hits > 0 and off.kv.prefix_hits == 0
+    # vLLM's cache_config_info label says which (routers and dashboards read it).
+    assert on.info.cache_config()["enable_prefix_caching"] == "True"
+    assert off.info.cache_config()["enable_prefix_caching"] == "False"
     conc_on = [r.token_ids for r in LLM(engine=on).generate(prompts, greedy())]
     assert conc_on == seq_off
 

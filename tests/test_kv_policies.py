@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv.policies.base import EvictionContext, protected_segments, segment_index
-from engine.kv.policies.resolve import resolve_policy
+from engine.kv.policies.resolve import policy_unavailable, resolve_policy
 from engine.kv.policies.vote import VotePolicy, make_policy, tie_ranks
 from engine.llm_engine import LLMEngine
 from engine.request import KVPolicyRequest, RequestOptions, RequestStatus, Segment
@@ -124,6 +124,30 @@ def test_segmented_drops_whole_turns_oldest_first() -> None:
     assert kept(p, seg_ctx(20, 10)) == [0, 1, 2, 3, 12, 13, 14, 15, 18, 19]
 
 
+def test_segmented_bends_to_tokens_rather_than_stall() -> None:
+    """30 slots of a prompt whose assistant turn (8-39) is longer than the budget
+    (12) and is being prefilled: the recent window (28, 29) is inside it, so it is
+    not droppable whole. The old user turn (4-7) goes whole, then the oldest
+    slots of the long turn, down to the budget: the request keeps making room."""
+    turns = (
+        Segment(0, 4, "system", 0),
+        Segment(4, 8, "user", 1),
+        Segment(8, 40, "assistant", 2),
+        Segment(40, 44, "user", 3),
+    )
+    ti = torch.arange(30, dtype=torch.int64)
+    c = EvictionContext(
+        30,
+        12,
+        2,
+        ti,
+        segments=turns,
+        segment_of=segment_index(ti, turns),
+        protected=protected_segments(turns),
+    )
+    assert kept(make_policy("segmented", {"recency": 1.0}), c) == [0, 1, 2, 3, *range(22, 30)]
+
+
 def test_segmented_keeps_the_attended_turn() -> None:
     """With mass voting, a heavily attended old turn outlives a newer one."""
     p = make_policy("segmented", {"recency": 1.0, "mass": 4.0})
@@ -171,6 +195,35 @@ def test_request_policy_only_narrows() -> None:
         assert e.value.param == "kv_policy"
     with pytest.raises(InvalidRequestError, match="exceeds the model's context"):
         resolve_policy(full, KVPolicyRequest("streaming", 1020), 1024)
+
+
+def test_request_policy_refused_where_policies_cannot_run() -> None:
+    """A full server's request may not bring a policy the engine refuses at
+    start-up: speculation, tensor parallelism, KIVI blocks, a model without RoPE."""
+    asked = KVPolicyRequest("streaming", 64, 2)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    for cfg, rope, match in (
+        (EngineConfig(speculative_config=ngram), True, "speculative decoding"),
+        (EngineConfig(tensor_parallel_size=2), True, "tensor parallelism"),
+        (EngineConfig(kv_cache_dtype="kivi4", kivi_group_size=16), True, "kivi4"),
+        (EngineConfig(), False, "no RoPE"),
+    ):
+        with pytest.raises(InvalidRequestError, match=match) as e:
+            resolve_policy(cfg, asked, 1024, policy_unavailable(cfg, rope))
+        assert e.value.param == "kv_policy"
+        # Asking for nothing (or the server's own full) stays allowed.
+        assert resolve_policy(cfg, None, 1024, policy_unavailable(cfg, rope)) is None
+    assert policy_unavailable(EngineConfig(), True) is None
+
+
+def test_kivi_engine_refuses_a_request_policy(tiny: Path) -> None:
+    """End to end through the engine: validate_request answers a 400-class error
+    instead of letting a compaction reach KIVI blocks."""
+    eng = tiny_engine(tiny, **{**EXACT, "kv_cache_dtype": "kivi4", "kivi_group_size": 4})
+    opts = RequestOptions(kv_policy=KVPolicyRequest("streaming", 20, 4))
+    with pytest.raises(InvalidRequestError, match="kivi4"):
+        eng.validate_request([5, 6, 7], greedy(2), opts)
+    assert eng.validate_request([5, 6, 7], greedy(2), RequestOptions()) is None
 
 
 # ---- attention mass -----------------------------------------------------------

@@ -17,7 +17,15 @@ from fastapi.testclient import TestClient
 
 from server.app import build_app
 from server.config import ServerConfig
-from tests.server_fakes import FakeEngine, assert_schema, invalid, rejected, unavailable
+from tests.server_fakes import (
+    FakeEngine,
+    assert_error,
+    assert_schema,
+    invalid,
+    rejected,
+    sse_events,
+    unavailable,
+)
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -31,37 +39,10 @@ def chat_body(**kw: Any) -> dict[str, Any]:
     return {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], **kw}
 
 
-def assert_error(
-    resp: Any, status: int, *, contains: str = "", param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert_schema(body, "ErrorResponse")
-    err = body["error"]
-    assert contains.lower() in err["message"].lower(), err
-    if param is not None:
-        assert err["param"] == param, err
-    if code is not None:
-        assert err["code"] == code, err
-    return dict(err)
-
-
 def assert_healthy(client: TestClient) -> None:
     assert client.get("/health").status_code == 200
     r = client.post(CHAT, json=chat_body(max_tokens=2))
     assert r.status_code == 200, r.text
-
-
-def sse_events(raw: str) -> list[Any]:
-    """Split raw SSE text strictly: every event is ``data: ...\\n\\n``."""
-    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
-    events = []
-    for block in raw.split("\n\n")[:-1]:
-        assert block.startswith("data: "), block
-        payload = block[len("data: ") :]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
-    return events[:-1]
 
 
 @pytest.mark.parametrize(

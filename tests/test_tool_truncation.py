@@ -137,6 +137,21 @@ def test_http_complete_calls_finish_tool_calls() -> None:
         ]
 
 
+def test_http_parallel_tool_calls_false_returns_the_first_call_under_auto() -> None:
+    """``auto`` has no grammar, so two generated calls become one returned call,
+    streamed or not; with the default (parallel allowed) both come back."""
+    with _client(TWO_CALLS) as c:
+        body = _body(len(TWO_CALLS) + 5, parallel_tool_calls=False)
+        choice = c.post(CHAT, json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert [t["function"]["name"] for t in choice["message"]["tool_calls"]] == ["get_weather"]
+        content, streamed, finish = _stream(c, body)
+        assert finish == "tool_calls" and content == ""
+        assert [(n, json.loads(a)) for n, a in streamed] == [("get_weather", {"city": "Paris"})]
+        _, both, _ = _stream(c, _body(len(TWO_CALLS) + 5))
+        assert [n for n, _ in both] == ["get_weather", "get_time"]
+
+
 @pytest.mark.parametrize(
     ("parameters", "needle"),
     [

@@ -340,8 +340,15 @@ class MoeForCausalLM(LlamaForCausalLM):
         return MoeDecoderLayer(cfg, attn_backend, SparseMoeBlock(cfg, index))
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
-        """The sparse blocks, in layer order."""
-        return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+        """The sparse blocks, in layer order. Found once: the engine reads the
+        routing counters every step, and a walk over every module (thousands once
+        expert linears are swapped in) is not free; the blocks themselves are
+        never replaced after construction."""
+        blocks: list[SparseMoeBlock] | None = getattr(self, "_moe_blocks", None)
+        if not blocks:  # (empty only while the layers are being built)
+            blocks = [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+            self._moe_blocks = blocks  # a plain list: not registered as submodules
+        return blocks
 
     def initialize_buffers(self) -> None:
         super().initialize_buffers()

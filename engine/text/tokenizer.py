@@ -596,6 +596,29 @@ class Tokenizer:
             if nonce not in blob:
                 return _Escaper(self._special_strings, nonce)
 
+    def _render_fresh(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+        chat_template: str | None,
+        template_kwargs: dict[str, Any] | None,
+        continue_final_message: bool,
+    ) -> tuple[str, _Escaper]:
+        """The rendered, still escaped, text under a new escaper, and that escaper
+        (the public render methods' common first step)."""
+        escaper = self._new_escaper(messages, tools)
+        text = self._render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template=chat_template,
+            template_kwargs=template_kwargs,
+            escaper=escaper,
+            continue_final_message=continue_final_message,
+        )
+        return text, escaper
+
     def render_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -607,15 +630,13 @@ class Tokenizer:
         continue_final_message: bool = False,
     ) -> str:
         """The rendered prompt text (for debugging and ``echo``); see apply_chat_template."""
-        escaper = self._new_escaper(messages, tools)
-        text = self._render(
+        text, escaper = self._render_fresh(
             messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            chat_template=chat_template,
-            template_kwargs=template_kwargs,
-            escaper=escaper,
-            continue_final_message=continue_final_message,
+            add_generation_prompt,
+            tools,
+            chat_template,
+            template_kwargs,
+            continue_final_message,
         )
         return escaper.unescape(text)
 
@@ -644,15 +665,13 @@ class Tokenizer:
         starting a new turn; callers pass ``add_generation_prompt=False`` with it.
         Raises ``ValueError`` on any template error.
         """
-        escaper = self._new_escaper(messages, tools)
-        text = self._render(
+        text, escaper = self._render_fresh(
             messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            chat_template=chat_template,
-            template_kwargs=template_kwargs,
-            escaper=escaper,
-            continue_final_message=continue_final_message,
+            add_generation_prompt,
+            tools,
+            chat_template,
+            template_kwargs,
+            continue_final_message,
         )
         return self._tokenize_rendered(text, escaper)[0]
 
@@ -685,15 +704,13 @@ class Tokenizer:
         template render per message (O(n^2) characters for n messages), kept
         off the event loop by the caller.
         """
-        escaper = self._new_escaper(messages, tools)
-        text = self._render(
+        text, escaper = self._render_fresh(
             messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            chat_template=chat_template,
-            template_kwargs=template_kwargs,
-            escaper=escaper,
-            continue_final_message=continue_final_message,
+            add_generation_prompt,
+            tools,
+            chat_template,
+            template_kwargs,
+            continue_final_message,
         )
         ids, starts = self._tokenize_rendered(text, escaper)
         bounds = self._message_bounds(

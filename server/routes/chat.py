@@ -110,11 +110,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
 
 def _wants_segments(engine: EngineClient, body: ChatCompletionRequest) -> bool:
     """Whether the engine reads this request's segments: its KV policy (its own
-    ``kv_policy`` or the server's ``--kv-policy``) evicts whole turns
-    (``segmented``) or votes with a segment scorer (``vote``)."""
+    ``kv_policy`` or the server's ``--kv-policy``) is one the engine says reads
+    them (``EngineClient.segment_policies``: whole-turn eviction, a segment vote)."""
     asked = body.kv_policy.type if body.kv_policy is not None else None
     policy = asked if asked is not None else engine.execution_info.get("kv_policy", "full")
-    return policy in ("segmented", "vote")
+    return policy in engine.segment_policies
 
 
 async def _compress_if_needed(
@@ -230,6 +230,8 @@ class ChatFormat(ChoiceFormat):
             pieces.append(parser.finish(self._drop_incomplete(finish)))
         content = "".join(p.content for p in pieces)
         calls = [c for p in pieces for c in p.tool_calls]
+        if self.plan is not None and self.plan.single_call:
+            calls = [c for c in calls if c.index == 0]  # as _message: the first call only
         if content:
             delta["content"] = content
         if calls:
@@ -275,8 +277,9 @@ class ChatFormat(ChoiceFormat):
     def _message(self, text: str, finish: str | None) -> tuple[JsonObject, str]:
         """``message`` and ``finish_reason`` of a finished choice, tool calls parsed out.
 
-        Every call the model generated is returned (``parallel_tool_calls: false``
-        is the grammar's to enforce, never a truncation here).
+        Every call the model generated is returned, except under
+        ``parallel_tool_calls: false`` (``ToolPlan.single_call``): then only the
+        first (a forced turn's grammar generates no other).
         """
         message: JsonObject = {"role": "assistant", "content": text, "refusal": None}
         reason = finish or "stop"
@@ -287,7 +290,7 @@ class ChatFormat(ChoiceFormat):
             # cut-off turn whose only text was the dropped half call.
             dropped = self._drop_incomplete(reason)
             message["content"] = (parsed.content or None) if dropped else parsed.content
-            calls = parsed.tool_calls
+            calls = parsed.tool_calls[:1] if plan.single_call else parsed.tool_calls
             if calls:
                 log_invalid_calls(calls, plan.tools)
                 message["tool_calls"] = [tool_call_json(call) for call in calls]

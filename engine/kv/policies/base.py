@@ -70,6 +70,12 @@ class KVPolicy(ABC):
     def needs_keys(self) -> bool:
         """Whether ``select`` reads ``ctx.keys`` (gathered from the cache)."""
 
+    @property
+    @abstractmethod
+    def reads_segments(self) -> bool:
+        """Whether ``select`` reads ``ctx.segments`` (and keeps ``ctx.protected``):
+        only then does the server render a chat request's segments for it."""
+
     @abstractmethod
     def forced_tokens(self, budget: int, sinks: int) -> int:
         """Slots the policy keeps whatever the scores (sinks plus recent window)."""

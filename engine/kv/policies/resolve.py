@@ -26,10 +26,30 @@ class KVPolicySpec:
     interval: int
 
 
+def policy_unavailable(config: EngineConfig, has_rope: bool) -> str | None:
+    """Why no request may run a KV policy other than ``full`` on this engine (None:
+    it may). The same conditions refuse ``--kv-policy`` at start-up (EngineConfig,
+    LLMEngine); this is the request-side twin, for a ``full`` server whose
+    requests narrow it with ``kv_policy``."""
+    if config.speculative_config is not None:
+        return "speculative decoding (--speculative-config)"
+    if config.tensor_parallel_size > 1:
+        return "tensor parallelism (compaction moves rank 0's cache only)"
+    if config.kv_cache_dtype.startswith("kivi"):
+        return f"--kv-cache-dtype {config.kv_cache_dtype} (KIVI blocks are not compacted)"
+    if not has_rope:
+        return "this model (compaction re-rotates keys, and it has no RoPE)"
+    return None
+
+
 def resolve_policy(
-    config: EngineConfig, asked: KVPolicyRequest | None, max_model_len: int
+    config: EngineConfig,
+    asked: KVPolicyRequest | None,
+    max_model_len: int,
+    unavailable: str | None = None,
 ) -> KVPolicySpec | None:
-    """The policy a request runs under; None is ``full``. Raises InvalidRequestError."""
+    """The policy a request runs under; None is ``full``. ``unavailable``: what
+    :func:`policy_unavailable` says of this engine. Raises InvalidRequestError."""
     server = config.kv_policy
     if asked is None or asked == KVPolicyRequest():
         if server == "full":
@@ -39,10 +59,9 @@ def resolve_policy(
             server, config.kv_budget_tokens, config.num_sink_tokens, config.kv_evict_interval
         )
     name = asked.type or server
-    if name != "full" and config.speculative_config is not None:
+    if name != "full" and unavailable is not None:
         raise InvalidRequestError(
-            "kv_policy is not supported with speculative decoding (--speculative-config)",
-            param="kv_policy",
+            f"kv_policy is not supported with {unavailable}", param="kv_policy"
         )
     if name == "full":
         if server != "full":

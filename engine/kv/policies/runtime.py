@@ -73,6 +73,10 @@ class KVPolicyRuntime:
             self._policies[name] = p
         return p
 
+    def reads_segments(self, name: str) -> bool:
+        """Whether requests under policy ``name`` need their chat segments."""
+        return name != "full" and self.policy(name).reads_segments
+
     def new_state(self, spec: KVPolicySpec, segments: tuple[Segment, ...]) -> KVPolicyState:
         """The state of a new request under ``spec``; InvalidRequestError when the
         slots the policy must keep (sinks, recent window, protected segments)

@@ -12,7 +12,10 @@ vote on equal terms). The keep-set is then
 2. with ``whole_segments``: unprotected segments are dropped whole, lowest
    mean vote first (older and less attended turns score lower), until the
    sequence fits; only slots outside every segment (generated tokens) are
-   then evicted one by one;
+   then evicted one by one. When whole turns cannot get the sequence under
+   its budget (a turn longer than the budget holds the recent window while it
+   is prefilled), that turn's unforced slots go one by one too, rather than
+   stall the request;
 3. otherwise the best-voted of the remaining slots fill the budget (ties: the
    more recent slot wins).
 
@@ -32,6 +35,10 @@ segmented   recency 1 (+ mass if weighted)         1/4              yes
 (StreamingLLM); ``h2o`` keeps sinks, a recent half and the heaviest hitters
 by accumulated attention mass (H2O); ``rkv`` combines importance (mass) with
 redundancy, so that near-duplicate keys go first (R-KV).
+
+Segments (and so protected turns) reach a request only under a policy that
+``reads_segments`` (``segmented``, or a vote with a segment weight): the
+others are the papers' token-level policies and see no turns.
 """
 
 from __future__ import annotations
@@ -168,6 +175,10 @@ class VotePolicy(KVPolicy):
     def needs_keys(self) -> bool:
         return any(s.needs_keys for s in self.scorers)
 
+    @property
+    def reads_segments(self) -> bool:
+        return self.whole_segments or "segment" in self.weights
+
     def recent_tokens(self, budget: int, sinks: int) -> int:
         return int(self.recent_fraction * max(budget - sinks, 0))
 
@@ -199,6 +210,13 @@ class VotePolicy(KVPolicy):
         if self.whole_segments:
             excess = self._drop_segments(ctx, seg, forced, votes, keep, excess)
             candidates = ~forced & (seg < 0)
+            if excess > int(candidates.sum()):
+                # Whole turns cannot get under the budget: a turn longer than the
+                # budget holds the recent window (its prefill is under way). The
+                # "never half a turn" rule bends to token level here, because
+                # keeping the cache over budget would stall the request for good
+                # (it would never get room for its next token).
+                candidates = ~forced & keep
         else:
             candidates = ~forced
         if excess > 0:
