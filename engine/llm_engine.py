@@ -546,7 +546,7 @@ class LLMEngine:
             # The draft would be the target itself: every draft token costs a
             # target forward, and the draft's KV is computed for every token on
             # top of the target's, so it can only slow the target down (measured
-            # 0.23-0.58x in docs/benchmarks/spec-decode.md before this refusal).
+            # 0.23-0.58x in docs/benchmarks/spec-decode-loaded.md before this refusal).
             raise ValueError(
                 f"--speculative-config: the self-draft would run the target's own "
                 f"{spec.quantization} linears (--cpu-linear resolved to "

@@ -87,6 +87,15 @@ def _clean(x: Any) -> Any:
     return x
 
 
+def _arg_json(value: Any) -> Any:
+    """A parsed argument as JSON: paths (alone or in a list) as strings."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, list):
+        return [_arg_json(v) for v in value]
+    return value
+
+
 def bench_record(
     benchmark: str, args: argparse.Namespace, exclude: set[str], **fields: Any
 ) -> dict[str, Any]:
@@ -94,11 +103,7 @@ def bench_record(
     ``exclude``), ``fields``, git state, machine and time."""
     return {
         "benchmark": benchmark,
-        "args": {
-            k: (str(v) if isinstance(v, Path) else v)
-            for k, v in vars(args).items()
-            if k not in exclude
-        },
+        "args": {k: _arg_json(v) for k, v in vars(args).items() if k not in exclude},
         **fields,
         "git": git_info(),
         "machine": machine_info(),
