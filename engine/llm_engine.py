@@ -430,9 +430,10 @@ class LLMEngine:
             cfg.moe_capacity_factor,
             kv_format,
         )
-        if cfg.kv_policy != "full" and not hasattr(self.model.model, "rotary_emb"):
+        has_rope = hasattr(self.model.model, "rotary_emb")
+        if cfg.kv_policy != "full" and not has_rope:
             raise ValueError(f"--kv-policy {cfg.kv_policy} needs a RoPE model (it re-rotates keys)")
-        self._policy_unavailable = policy_unavailable(cfg, hasattr(self.model.model, "rotary_emb"))
+        self._policy_unavailable = policy_unavailable(cfg, has_rope)
         self.kv_policies = KVPolicyRuntime(
             cfg,
             self.kv,

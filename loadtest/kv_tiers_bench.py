@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import re
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import httpx
 from loadtest.client import ClientConfig, RequestSpec, send_request
 from loadtest.compare import ServerSpec, free_port, running
 from loadtest.metrics import RequestResult, percentile
+from loadtest.prom import scrape, total
 from loadtest.report import git_info, machine_info
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -56,20 +56,15 @@ def _server(extra: Sequence[str]) -> ServerSpec:
 
 def _counters(url: str) -> dict[str, float]:
     """Totals of the prefix-cache counters (summed over labels) and per-tier hits."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-
-    def total(name: str, labels: str = "") -> float:
-        pat = rf"^{re.escape(name)}{{[^}}]*{labels}[^}}]*}} ([0-9.e+-]+)$"
-        return sum(float(m) for m in re.findall(pat, text, re.M))
-
+    m = scrape(url)
     return {
-        "queries": total("vllm:prefix_cache_queries_total"),
-        "device_hits": total("vllm:prefix_cache_hits_total"),
-        "external_hits": total("vllm:external_prefix_cache_hits_total"),
-        "host_hits": total("fuel:kv_tier_hit_tokens_total", 'tier="host"'),
-        "disk_hits": total("fuel:kv_tier_hit_tokens_total", 'tier="disk"'),
-        "preemptions": total("vllm:num_preemptions_total"),
-        "swap_outs": total("fuel:kv_swap_outs_total"),
+        "queries": total(m, "vllm:prefix_cache_queries_total"),
+        "device_hits": total(m, "vllm:prefix_cache_hits_total"),
+        "external_hits": total(m, "vllm:external_prefix_cache_hits_total"),
+        "host_hits": total(m, "fuel:kv_tier_hit_tokens_total", tier="host"),
+        "disk_hits": total(m, "fuel:kv_tier_hit_tokens_total", tier="disk"),
+        "preemptions": total(m, "vllm:num_preemptions_total"),
+        "swap_outs": total(m, "fuel:kv_swap_outs_total"),
     }
 
 

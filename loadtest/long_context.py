@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 
 from loadtest.compare import ours_spec, running_process
+from loadtest.prom import info_labels, scrape
 from loadtest.report import bench_record, write_json
 from loadtest.rss import rss_bytes
 from loadtest.workloads import default_gguf
@@ -50,18 +51,26 @@ from loadtest.workloads import default_gguf
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def configs(n: int, window: int, sinks: int) -> list[tuple[str, dict[str, Any] | None]]:
+Policy = dict[str, Any] | None
+
+
+def windows(budget: int, sinks: int, with_sinks: str) -> list[tuple[str, Policy]]:
+    """``streaming`` over ``budget`` tokens with ``sinks`` sinks (named
+    ``with_sinks``), and the same window without sinks: the contrast."""
+    return [
+        (with_sinks, {"type": "streaming", "budget_tokens": budget, "sink_tokens": sinks}),
+        (
+            f"sliding window {budget}, no sinks",
+            {"type": "streaming", "budget_tokens": budget, "sink_tokens": 0},
+        ),
+    ]
+
+
+def configs(n: int, window: int, sinks: int) -> list[tuple[str, Policy]]:
     quarter = n // 4
     return [
         ("full", None),
-        (
-            f"streaming {window - sinks}+{sinks} sinks",
-            {"type": "streaming", "budget_tokens": window, "sink_tokens": sinks},
-        ),
-        (
-            f"sliding window {window}, no sinks",
-            {"type": "streaming", "budget_tokens": window, "sink_tokens": 0},
-        ),
+        *windows(window, sinks, f"streaming {window - sinks}+{sinks} sinks"),
         (
             f"streaming 25% ({quarter})",
             {"type": "streaming", "budget_tokens": quarter, "sink_tokens": sinks},
@@ -72,9 +81,7 @@ def configs(n: int, window: int, sinks: int) -> list[tuple[str, dict[str, Any] |
     ]
 
 
-def echo_logprobs(
-    client: httpx.Client, ids: list[int], policy: dict[str, Any] | None
-) -> list[float]:
+def echo_logprobs(client: httpx.Client, ids: list[int], policy: Policy) -> list[float]:
     """Logprobs of ``ids[1:]`` as the engine streams ``ids`` through ``policy``'s cache."""
     body: dict[str, Any] = {
         "prompt": ids,
@@ -103,17 +110,8 @@ def long_text(
 ) -> dict[str, Any]:
     """A text longer than the context streamed through ``budget`` tokens with
     sinks and without, per 1,000 tokens; the full cache over the part that fits."""
-    runs: list[tuple[str, dict[str, Any] | None, list[int]]] = [
-        (
-            f"streaming, budget {budget} ({sinks} sinks)",
-            {"type": "streaming", "budget_tokens": budget, "sink_tokens": sinks},
-            ids,
-        ),
-        (
-            f"sliding window {budget}, no sinks",
-            {"type": "streaming", "budget_tokens": budget, "sink_tokens": 0},
-            ids,
-        ),
+    runs: list[tuple[str, Policy, list[int]]] = [
+        *((name, p, ids) for name, p in windows(budget, sinks, _with_sinks(budget, sinks))),
         (f"full cache (first {min(len(ids), max_len - 1)} tokens)", None, ids[: max_len - 1]),
     ]
     out: dict[str, Any] = {}
@@ -134,19 +132,18 @@ def long_text(
     return out
 
 
-def pool_tokens(client: httpx.Client) -> int:
+def _with_sinks(budget: int, sinks: int) -> str:
+    return f"streaming, budget {budget} ({sinks} sinks)"
+
+
+def pool_tokens(url: str) -> int:
     """The device pool's KV tokens, from vLLM's ``vllm:cache_config_info`` labels."""
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("vllm:cache_config_info{"):
-            labels = dict(
-                kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(",")
-            )
-            return int(labels["num_gpu_blocks"].strip('"')) * int(labels["block_size"].strip('"'))
-    raise SystemExit("the server's /metrics has no vllm:cache_config_info")
+    labels = info_labels(scrape(url), "vllm:cache_config_info")
+    return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
 
 
 def generate(
-    client: httpx.Client, prompt: list[int], max_tokens: int, policy: dict[str, Any] | None
+    client: httpx.Client, prompt: list[int], max_tokens: int, policy: Policy
 ) -> tuple[list[float], float, float]:
     """Sampled tokens' logprobs, seconds, and the peak KV usage fraction meanwhile."""
     peak = [0.0]
@@ -181,21 +178,20 @@ def generate(
 
 
 def generations(
-    client: httpx.Client, url: str, pid: int, prompt: list[int], a: argparse.Namespace
+    client: httpx.Client,
+    url: str,
+    pid: int,
+    prompt: list[int],
+    max_len: int,
+    a: argparse.Namespace,
 ) -> dict[str, Any]:
     """The long generation under sinks + window, its no-sink contrast, and full."""
-    tokens = pool_tokens(client)
-    max_len = int(client.get("/v1/models").json()["data"][0]["max_model_len"])
-    runs: list[tuple[str, dict[str, Any] | None, int]] = [
-        (
-            f"streaming, budget {a.gen_budget} ({a.sinks} sinks)",
-            {"type": "streaming", "budget_tokens": a.gen_budget, "sink_tokens": a.sinks},
-            a.gen_tokens,
-        ),
-        (
-            f"sliding window {a.gen_budget}, no sinks",
-            {"type": "streaming", "budget_tokens": a.gen_budget, "sink_tokens": 0},
-            a.gen_tokens,
+    tokens = pool_tokens(url)
+    budget, sinks = a.gen_budget, a.sinks
+    runs: list[tuple[str, Policy, int]] = [
+        *(
+            (name, p, a.gen_tokens)
+            for name, p in windows(budget, sinks, _with_sinks(budget, sinks))
         ),
         ("full cache", None, min(a.gen_tokens, max_len - len(prompt))),
     ]
@@ -261,18 +257,18 @@ def main(argv: list[str] | None = None) -> int:
                 rows.setdefault(name, []).append(ppl(echo_logprobs(client, ids, policy)))
                 secs.setdefault(name, []).append(time.perf_counter() - t0)
                 print(f"{name}: ppl {rows[name][-1]:.3f} ({secs[name][-1]:.1f} s)", flush=True)
+        max_len = int(client.get("/v1/models").json()["data"][0]["max_model_len"])
         longer: dict[str, Any] = {}
         if a.long_text_tokens:
             joined = "\n\n".join(p.read_text() for p in a.long_text)
             long_ids = client.post("/tokenize", json={"prompt": joined}).json()["tokens"]
             if len(long_ids) < a.long_text_tokens:
                 raise SystemExit(f"the long text has only {len(long_ids)} tokens")
-            max_len = int(client.get("/v1/models").json()["data"][0]["max_model_len"])
             longer = long_text(
                 client, long_ids[: a.long_text_tokens], a.gen_budget, a.sinks, max_len
             )
         if a.gen_tokens:
-            gen = generations(client, url, pid, ids[: a.gen_prompt_tokens], a)
+            gen = generations(client, url, pid, ids[: a.gen_prompt_tokens], max_len, a)
     full = rows["full"][0]
     table = {
         k: {"ppl": v, "ratio_to_full": [x / full for x in v], "seconds": secs[k]}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import statistics
 import sys
 import uuid
@@ -26,6 +25,7 @@ import httpx
 from loadtest.bench import Bench, BenchOptions
 from loadtest.client import ClientConfig, RequestSpec, send_request
 from loadtest.compare import ServerSpec, free_port, running
+from loadtest.prom import scrape, total
 from loadtest.report import git_info, machine_info
 from loadtest.workloads import WorkloadOptions
 
@@ -59,12 +59,8 @@ async def _run_level(bench: Bench, model: str, concurrency: int) -> Any:
 
 
 def _prefix_counters(url: str) -> tuple[float, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-
-    def total(name: str) -> float:
-        return sum(float(m) for m in re.findall(rf"^{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.M))
-
-    return total("vllm:prefix_cache_queries_total"), total("vllm:prefix_cache_hits_total")
+    m = scrape(url)
+    return total(m, "vllm:prefix_cache_queries_total"), total(m, "vllm:prefix_cache_hits_total")
 
 
 def main(argv: list[str] | None = None) -> int:

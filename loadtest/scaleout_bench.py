@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ import httpx
 from loadtest.bench import Bench, BenchOptions
 from loadtest.compare import ServerSpec, free_port, running, wait_healthy
 from loadtest.metrics import BenchmarkMetrics, RequestResult, compute_metrics
+from loadtest.prom import scrape, total
 from loadtest.report import git_info, machine_info
 from loadtest.workloads import WorkloadOptions
 
@@ -75,12 +75,8 @@ class Pooled:
 
 def prefix_counters(url: str) -> tuple[float, float]:
     """(tokens looked up, tokens found) in the prefix cache, from a server's /metrics."""
-    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
-
-    def total(name: str) -> float:
-        return sum(float(m) for m in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
-
-    return total("vllm:prefix_cache_queries_total"), total("vllm:prefix_cache_hits_total")
+    m = scrape(url)
+    return total(m, "vllm:prefix_cache_queries_total"), total(m, "vllm:prefix_cache_hits_total")
 
 
 @contextlib.contextmanager

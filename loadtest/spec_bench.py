@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import httpx
 
 from loadtest.bench import Bench, BenchOptions, RunOutcome
 from loadtest.compare import ServerSpec, free_port, running
+from loadtest.prom import by_label, scrape, total
 from loadtest.report import git_info, machine_info
 from loadtest.workloads import WorkloadOptions
 
@@ -92,20 +92,13 @@ class SpecCounters:
 
 
 def read_counters(url: str) -> SpecCounters:
-    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
-
-    def total(name: str) -> float:
-        return sum(float(m) for m in re.findall(rf"^{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.M))
-
-    per_pos: dict[int, float] = {}
-    pattern = r'^vllm:spec_decode_num_accepted_tokens_per_pos_total{[^}]*position="(\d+)"[^}]*} ([0-9.e+]+)$'
-    for pos, value in re.findall(pattern, text, re.M):
-        per_pos[int(pos)] = float(value)
+    m = scrape(url)
+    per_pos = by_label(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position")
     return SpecCounters(
-        total("vllm:spec_decode_num_drafts_total"),
-        total("vllm:spec_decode_num_draft_tokens_total"),
-        total("vllm:spec_decode_num_accepted_tokens_total"),
-        tuple(per_pos[i] for i in sorted(per_pos)),
+        total(m, "vllm:spec_decode_num_drafts_total"),
+        total(m, "vllm:spec_decode_num_draft_tokens_total"),
+        total(m, "vllm:spec_decode_num_accepted_tokens_total"),
+        tuple(per_pos[k] for k in sorted(per_pos, key=int)),
     )
 
 
