@@ -367,6 +367,9 @@ def cpu_kernels() -> CpuKernels:
         ([40, 3, 16, 9, 1, 64, 2, 7], 9, 3, 64, 16),  # more sequences than threads
         ([12, 30, 7], 8, 1, 128, 8),  # GQA ratio 8
         ([6, 11], 3, 3, 24, 4),  # no GQA; head_dim not a multiple of 16 (scalar path)
+        # The fast path's edges: 8-token score groups and 128-token value chunks
+        # that straddle 12-token blocks, and ragged tails.
+        ([131, 260, 9, 300], 6, 2, 128, 12),
     ],
 )
 @pytest.mark.parametrize("num_threads", [1, 2])
@@ -538,6 +541,7 @@ def _fused_qkv(b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
         ([300], 9, 3, 64, 0),  # fewer sequences than threads, long: split-K and merge
         ([257], 4, 1, 32, 0),
         ([40, 3, 16, 9, 1], 9, 3, 64, 3),  # padding rows (slot -1) after the decodes
+        ([523, 131], 6, 2, 128, 0),  # value chunks and ragged score groups, split-K
     ],
 )
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
@@ -1056,3 +1060,20 @@ def test_rope_shift_rejects_positions_outside_the_table() -> None:
         rope_shift_paged_ref(
             cache, torch.tensor([0]), torch.tensor([0]), torch.tensor([1]), table[:, :4]
         )
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_portable_build_fast_decode_attention_matches_ref(
+    scalar_cpu_kernels: CpuKernels, cache_dtype: torch.dtype
+) -> None:
+    """The fast decode body (head sizes a multiple of 64) built without AVX2 and
+    F16C: the portable vector code and half conversions, blocks straddled."""
+    b = make_batch([1, 1], [131, 20], num_heads=6, num_kv_heads=2, head_dim=64, block_size=12)
+    if b.q.device.type != "cpu":
+        pytest.skip("the batch helper built device tensors")
+    q, kc, vc = b.q, b.k_cache.to(cache_dtype), b.v_cache.to(cache_dtype)
+    m = b.meta
+    got = scalar_cpu_kernels.paged_decode_attention(q, kc, vc, m.block_tables, m.seq_lens, b.scale)
+    args = (q, kc.float(), vc.float(), m.block_tables, m.seq_lens, m.query_start_loc, 1, 131)
+    want = paged_attention_ref(*args, b.scale, 2)
+    _assert_close(got, want, torch.float32)

@@ -46,6 +46,13 @@ static inline float dot(const float *a, const float *b, int64_t d)
 
 #include "fuel_half.h"
 
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
+
+/* Tokens per chunk of the fast weighted sum (see DEFINE_DECODE_RANGE_FAST). */
+#define FUEL_V_CHUNK 128
+
 static inline v8f load8h(const uint16_t *p)
 {
 #ifdef FUEL_F16C
@@ -175,12 +182,188 @@ void fuel_store_row(void *dst, const float *src, int64_t n, int half)
 DEFINE_DECODE_RANGE(decode_range_f32, float, dot, axpy)
 DEFINE_DECODE_RANGE(decode_range_f16, uint16_t, dot_h, axpy_h)
 
+/* Lane u of the result: the sum of the lanes of a[u] (an 8x8 transpose-add,
+ * so eight dot products cost three shuffle levels rather than eight hsums). */
+static inline v8f hsum8x8(const v8f a[8])
+{
+#ifdef __AVX__
+    const __m256 s01 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]);
+    const __m256 s23 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    const __m256 s45 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]);
+    const __m256 s67 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                              _mm256_permute2f128_ps(s0123, s4567, 0x31));
+#else
+    v8f out;
+    for (int u = 0; u < 8; ++u) out[u] = hsum8(a[u]);
+    return out;
+#endif
+}
+
+/* The fast body of decode_range for head sizes that are multiples of 64 (64,
+ * 128, 256: every model we serve); decode_range_* above is the general one.
+ * Same contract. Why it is faster, measured at 1,000 tokens of fp16 context:
+ * - scores for 8 tokens at once, reduced by one transpose-add (hsum8x8) rather
+ *   than a horizontal sum per (token, head);
+ * - the weighted sum keeps 64 output channels in 8 registers over all tokens,
+ *   instead of loading and storing the output row for every token;
+ * - tokens are walked block by block, with no division per token. */
+#define DEFINE_DECODE_RANGE_FAST(NAME, KT, LOAD8)                                                \
+    static int NAME(const float *q, const KT *k_cache, const KT *v_cache, const int32_t *row,     \
+                    int64_t t0, int64_t t1, float *out, int64_t h0, int64_t h1, int64_t g,        \
+                    int64_t d, int64_t bs, int64_t tok_stride, int64_t blk_stride, float scale,   \
+                    float **scores, int64_t *cap, float *mx, float *sum)                          \
+    {                                                                                             \
+        const int64_t nh = (h1 - h0) * g;                                                         \
+        const int64_t n = t1 - t0;                                                                \
+        const float *qh = q + h0 * g * d;                                                         \
+        float *oh = out + h0 * g * d;                                                             \
+        if (n * nh > *cap) {                                                                      \
+            free(*scores);                                                                        \
+            *cap = n * nh;                                                                        \
+            *scores = (float *)malloc((size_t)(*cap) * sizeof(float));                            \
+            if (*scores == NULL) {                                                                \
+                *cap = 0;                                                                         \
+                return -1;                                                                        \
+            }                                                                                     \
+        }                                                                                         \
+        float *sc = *scores;                                                                      \
+        /* Pass 1: scores, 8 tokens at a time (their rows may span two blocks). */                \
+        int64_t b = t0 / bs, off = t0 % bs, t = t0;                                               \
+        for (; t + 8 <= t1; t += 8) {                                                             \
+            const KT *kr[8];                                                                      \
+            for (int u = 0; u < 8; ++u) {                                                         \
+                kr[u] = k_cache + (int64_t)row[b] * blk_stride + off * tok_stride;                \
+                if (++off == bs) {                                                                \
+                    off = 0;                                                                      \
+                    ++b;                                                                          \
+                }                                                                                 \
+            }                                                                                     \
+            for (int64_t j = 0; j < nh; ++j) {                                                    \
+                const float *qj = qh + j * d;                                                     \
+                const int64_t ko = (h0 + j / g) * d;                                              \
+                v8f acc[8] = {{0}};                                                               \
+                for (int64_t c = 0; c < d; c += 8) {                                              \
+                    const v8f qv = load8(qj + c);                                                 \
+                    for (int u = 0; u < 8; ++u) acc[u] += qv * LOAD8(kr[u] + ko + c);             \
+                }                                                                                 \
+                const v8f s = hsum8x8(acc) * scale;                                               \
+                memcpy(sc + j * n + (t - t0), &s, sizeof s);                                      \
+            }                                                                                     \
+        }                                                                                         \
+        for (; t < t1; ++t) {                                                                     \
+            const KT *kr = k_cache + (int64_t)row[b] * blk_stride + off * tok_stride;             \
+            if (++off == bs) {                                                                    \
+                off = 0;                                                                          \
+                ++b;                                                                              \
+            }                                                                                     \
+            for (int64_t j = 0; j < nh; ++j) {                                                    \
+                const float *qj = qh + j * d;                                                     \
+                const KT *kj = kr + (h0 + j / g) * d;                                             \
+                v8f acc = {0};                                                                    \
+                for (int64_t c = 0; c < d; c += 8) acc += load8(qj + c) * LOAD8(kj + c);          \
+                sc[j * n + (t - t0)] = hsum8(acc) * scale;                                        \
+            }                                                                                     \
+        }                                                                                         \
+        /* Softmax, unnormalised; the caller divides by sum. */                                   \
+        for (int64_t j = 0; j < nh; ++j) {                                                        \
+            float *sj = sc + j * n;                                                               \
+            float m = -INFINITY;                                                                  \
+            int64_t i = 0;                                                                        \
+            if (n >= 8) {                                                                         \
+                v8f vm = load8(sj);                                                               \
+                for (i = 8; i + 8 <= n; i += 8) {                                                 \
+                    const v8f x = load8(sj + i);                                                  \
+                    vm = select8(x > vm, x, vm);                                                  \
+                }                                                                                 \
+                for (int u = 0; u < 8; ++u) m = vm[u] > m ? vm[u] : m;                            \
+            }                                                                                     \
+            for (; i < n; ++i) m = sj[i] > m ? sj[i] : m;                                         \
+            mx[j] = m;                                                                            \
+            v8f acc = {0};                                                                        \
+            i = 0;                                                                                \
+            for (; i + 8 <= n; i += 8) {                                                          \
+                const v8f e = exp8(load8(sj + i) - m);                                            \
+                memcpy(sj + i, &e, sizeof e);                                                     \
+                acc += e;                                                                         \
+            }                                                                                     \
+            float total = hsum8(acc);                                                             \
+            for (; i < n; ++i) {                                                                  \
+                const float e = expf(sj[i] - m);                                                  \
+                sj[i] = e;                                                                        \
+                total += e;                                                                       \
+            }                                                                                     \
+            sum[j] = total;                                                                       \
+        }                                                                                         \
+        /* Pass 2: weighted sum of values, 64 output channels in registers, over       \
+         * chunks of FUEL_V_CHUNK tokens: the g query heads of one kv head read the     \
+         * same chunk of value rows while it is in L1 (over the whole range at once,    \
+         * each would stream a long context's values from memory again).                \
+         * Chunks start at block boundaries, so a chunk's rows are walked per block. */ \
+        memset(oh, 0, (size_t)(nh * d) * sizeof(float));                                          \
+        for (int64_t tc = t0; tc < t1;) {                                                         \
+            int64_t te = (tc / bs + 1) * bs;                                                      \
+            while (te - tc < FUEL_V_CHUNK && te < t1) te += bs;                                   \
+            if (te > t1) te = t1;                                                                 \
+            for (int64_t j = 0; j < nh; ++j) {                                                    \
+                const float *pj = sc + j * n - t0;                                                \
+                const int64_t vo = (h0 + j / g) * d;                                              \
+                for (int64_t c0 = 0; c0 < d; c0 += 64) {                                          \
+                    float *o = oh + j * d + c0;                                                   \
+                    v8f a0 = load8(o), a1 = load8(o + 8), a2 = load8(o + 16), a3 = load8(o + 24); \
+                    v8f a4 = load8(o + 32), a5 = load8(o + 40), a6 = load8(o + 48);               \
+                    v8f a7 = load8(o + 56);                                                       \
+                    for (int64_t tt = tc; tt < te;) {                                             \
+                        const int64_t bb = tt / bs;                                               \
+                        const int64_t end = (bb + 1) * bs < te ? (bb + 1) * bs : te;              \
+                        const KT *vr = v_cache + (int64_t)row[bb] * blk_stride +                  \
+                                       (tt - bb * bs) * tok_stride + vo + c0;                     \
+                        for (; tt < end; ++tt, vr += tok_stride) {                                \
+                            const float p = pj[tt];                                               \
+                            a0 += p * LOAD8(vr);                                                  \
+                            a1 += p * LOAD8(vr + 8);                                              \
+                            a2 += p * LOAD8(vr + 16);                                             \
+                            a3 += p * LOAD8(vr + 24);                                             \
+                            a4 += p * LOAD8(vr + 32);                                             \
+                            a5 += p * LOAD8(vr + 40);                                             \
+                            a6 += p * LOAD8(vr + 48);                                             \
+                            a7 += p * LOAD8(vr + 56);                                             \
+                        }                                                                         \
+                    }                                                                             \
+                    memcpy(o, &a0, sizeof a0);                                                    \
+                    memcpy(o + 8, &a1, sizeof a1);                                                \
+                    memcpy(o + 16, &a2, sizeof a2);                                               \
+                    memcpy(o + 24, &a3, sizeof a3);                                               \
+                    memcpy(o + 32, &a4, sizeof a4);                                               \
+                    memcpy(o + 40, &a5, sizeof a5);                                               \
+                    memcpy(o + 48, &a6, sizeof a6);                                               \
+                    memcpy(o + 56, &a7, sizeof a7);                                               \
+                }                                                                                 \
+            }                                                                                     \
+            tc = te;                                                                              \
+        }                                                                                         \
+        return 0;                                                                                 \
+    }
+
+DEFINE_DECODE_RANGE_FAST(decode_range_fast_f32, float, load8)
+DEFINE_DECODE_RANGE_FAST(decode_range_fast_f16, uint16_t, load8h)
+
 static int decode_range(const float *q, const void *k_cache, const void *v_cache, int kv_half,
                         const int32_t *row, int64_t t0, int64_t t1, float *out, int64_t h0,
                         int64_t h1, int64_t g, int64_t d, int64_t bs, int64_t tok_stride,
                         int64_t blk_stride, float scale, float **scores, int64_t *cap, float *mx,
                         float *sum)
 {
+    if ((d & 63) == 0) {
+        if (kv_half)
+            return decode_range_fast_f16(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                                         row, t0, t1, out, h0, h1, g, d, bs, tok_stride,
+                                         blk_stride, scale, scores, cap, mx, sum);
+        return decode_range_fast_f32(q, (const float *)k_cache, (const float *)v_cache, row, t0,
+                                     t1, out, h0, h1, g, d, bs, tok_stride, blk_stride, scale,
+                                     scores, cap, mx, sum);
+    }
     if (kv_half)
         return decode_range_f16(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, row, t0,
                                 t1, out, h0, h1, g, d, bs, tok_stride, blk_stride, scale, scores,
