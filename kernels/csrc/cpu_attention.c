@@ -115,6 +115,52 @@ void fuel_store_row(void *dst, const float *src, int64_t n, int half)
     for (; c < n; ++c) h[c] = f2h(src[c]);
 }
 
+/* The per-thread scores buffer, grown to hold n floats (n >= 1); NULL when it
+ * cannot be grown. */
+static float *scores_for(float **scores, int64_t *cap, int64_t n)
+{
+    if (n > *cap) {
+        free(*scores);
+        *scores = (float *)malloc((size_t)n * sizeof(float));
+        *cap = *scores != NULL ? n : 0;
+    }
+    return *scores;
+}
+
+/* Scores to unnormalised softmax weights, in place: row j (of nh rows of n
+ * scores) becomes exp(s - mx[j]), with mx[j] its maximum and sum[j] its total
+ * (the caller divides by sum). */
+static void softmax_rows(float *sc, int64_t n, int64_t nh, float *mx, float *sum)
+{
+    for (int64_t j = 0; j < nh; ++j) {
+        float *sj = sc + j * n;
+        /* NaN scores never win a comparison, as in a scalar running max. */
+        v8f vm = (v8f){0} - INFINITY;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const v8f x = load8(sj + i);
+            vm = select8(x > vm, x, vm);
+        }
+        float m = -INFINITY;
+        for (int u = 0; u < 8; ++u) m = vm[u] > m ? vm[u] : m;
+        for (; i < n; ++i) m = sj[i] > m ? sj[i] : m;
+        mx[j] = m;
+        v8f acc = {0};
+        for (i = 0; i + 8 <= n; i += 8) {
+            const v8f e = exp8(load8(sj + i) - m);
+            memcpy(sj + i, &e, sizeof e);
+            acc += e;
+        }
+        float total = hsum8(acc);
+        for (; i < n; ++i) {
+            const float e = expf(sj[i] - m);
+            sj[i] = e;
+            total += e;
+        }
+        sum[j] = total;
+    }
+}
+
 /* Keys [t0, t1) of one sequence for kv heads [h0, h1): writes the
  * unnormalised output sum_t exp(s_t - mx) v_t of each query head to out (at
  * its head offsets), with mx and sum (the normaliser) per query head.
@@ -130,17 +176,8 @@ void fuel_store_row(void *dst, const float *src, int64_t n, int half)
         const int64_t n = t1 - t0;                                                                \
         const float *qh = q + h0 * g * d;                                                         \
         float *oh = out + h0 * g * d;                                                             \
-        if (n * nh > *cap) {                                                                      \
-            free(*scores);                                                                        \
-            *cap = n * nh;                                                                        \
-            *scores = (float *)malloc((size_t)(*cap) * sizeof(float));                            \
-            if (*scores == NULL) {                                                                \
-                *cap = 0;                                                                         \
-                return -1;                                                                        \
-            }                                                                                     \
-        }                                                                                         \
-        float *sc = *scores;                                                                      \
-        for (int64_t j = 0; j < nh; ++j) mx[j] = -INFINITY;                                       \
+        float *sc = scores_for(scores, cap, n * nh);                                              \
+        if (sc == NULL) return -1;                                                                \
         /* Pass 1: scores. A token's row holds every kv head contiguously, so one                 \
          * item reads each row once for all of its heads. */                                      \
         for (int64_t t = t0; t < t1; ++t) {                                                       \
@@ -148,27 +185,9 @@ void fuel_store_row(void *dst, const float *src, int64_t n, int half)
             for (int64_t j = 0; j < nh; ++j) {                                                    \
                 const float s = DOT(qh + j * d, kr + (h0 + j / g) * d, d) * scale;                \
                 sc[j * n + t - t0] = s;                                                           \
-                if (s > mx[j]) mx[j] = s;                                                         \
             }                                                                                     \
         }                                                                                         \
-        /* Softmax, unnormalised; the caller divides by sum. */                                   \
-        for (int64_t j = 0; j < nh; ++j) {                                                        \
-            float *sj = sc + j * n;                                                               \
-            v8f acc = {0};                                                                        \
-            int64_t t = 0;                                                                        \
-            for (; t + 8 <= n; t += 8) {                                                          \
-                const v8f e = exp8(load8(sj + t) - mx[j]);                                        \
-                memcpy(sj + t, &e, sizeof e);                                                     \
-                acc += e;                                                                         \
-            }                                                                                     \
-            float total = hsum8(acc);                                                             \
-            for (; t < n; ++t) {                                                                  \
-                const float e = expf(sj[t] - mx[j]);                                              \
-                sj[t] = e;                                                                        \
-                total += e;                                                                       \
-            }                                                                                     \
-            sum[j] = total;                                                                       \
-        }                                                                                         \
+        softmax_rows(sc, n, nh, mx, sum);                                                         \
         /* Pass 2: weighted sum of values. */                                                     \
         memset(oh, 0, (size_t)(nh * d) * sizeof(float));                                          \
         for (int64_t t = t0; t < t1; ++t) {                                                       \
@@ -219,16 +238,8 @@ static inline v8f hsum8x8(const v8f a[8])
         const int64_t n = t1 - t0;                                                                \
         const float *qh = q + h0 * g * d;                                                         \
         float *oh = out + h0 * g * d;                                                             \
-        if (n * nh > *cap) {                                                                      \
-            free(*scores);                                                                        \
-            *cap = n * nh;                                                                        \
-            *scores = (float *)malloc((size_t)(*cap) * sizeof(float));                            \
-            if (*scores == NULL) {                                                                \
-                *cap = 0;                                                                         \
-                return -1;                                                                        \
-            }                                                                                     \
-        }                                                                                         \
-        float *sc = *scores;                                                                      \
+        float *sc = scores_for(scores, cap, n * nh);                                              \
+        if (sc == NULL) return -1;                                                                \
         /* Pass 1: scores, 8 tokens at a time (their rows may span two blocks). */                \
         int64_t b = t0 / bs, off = t0 % bs, t = t0;                                               \
         for (; t + 8 <= t1; t += 8) {                                                             \
@@ -266,36 +277,7 @@ static inline v8f hsum8x8(const v8f a[8])
                 sc[j * n + (t - t0)] = hsum8(acc) * scale;                                        \
             }                                                                                     \
         }                                                                                         \
-        /* Softmax, unnormalised; the caller divides by sum. */                                   \
-        for (int64_t j = 0; j < nh; ++j) {                                                        \
-            float *sj = sc + j * n;                                                               \
-            float m = -INFINITY;                                                                  \
-            int64_t i = 0;                                                                        \
-            if (n >= 8) {                                                                         \
-                v8f vm = load8(sj);                                                               \
-                for (i = 8; i + 8 <= n; i += 8) {                                                 \
-                    const v8f x = load8(sj + i);                                                  \
-                    vm = select8(x > vm, x, vm);                                                  \
-                }                                                                                 \
-                for (int u = 0; u < 8; ++u) m = vm[u] > m ? vm[u] : m;                            \
-            }                                                                                     \
-            for (; i < n; ++i) m = sj[i] > m ? sj[i] : m;                                         \
-            mx[j] = m;                                                                            \
-            v8f acc = {0};                                                                        \
-            i = 0;                                                                                \
-            for (; i + 8 <= n; i += 8) {                                                          \
-                const v8f e = exp8(load8(sj + i) - m);                                            \
-                memcpy(sj + i, &e, sizeof e);                                                     \
-                acc += e;                                                                         \
-            }                                                                                     \
-            float total = hsum8(acc);                                                             \
-            for (; i < n; ++i) {                                                                  \
-                const float e = expf(sj[i] - m);                                                  \
-                sj[i] = e;                                                                        \
-                total += e;                                                                       \
-            }                                                                                     \
-            sum[j] = total;                                                                       \
-        }                                                                                         \
+        softmax_rows(sc, n, nh, mx, sum);                                                         \
         /* Pass 2: weighted sum of values, 64 output channels in registers, over       \
          * chunks of FUEL_V_CHUNK tokens: the g query heads of one kv head read the     \
          * same chunk of value rows while it is in L1 (over the whole range at once,    \
