@@ -450,7 +450,24 @@ class LLMEngine:
         self.transfers: KVTransferExecutor | None = None
         if hierarchy is not None:
             self.transfers = KVTransferExecutor(tier_format, caches, hierarchy, device)
+        self._copy_format = tier_format
+        self._copy_caches = caches
+        if cfg.enable_prefix_caching and self.tp is None:
+            # Partial prefix hits copy blocks on this process's caches; tensor-
+            # parallel ranks hold theirs in other processes (not built). A KIVI
+            # block's tokens come in groups: a copied group must be whole.
+            lay = kv_format.attention_layout()
+            self.kv.enable_partial_hits(lay.group_size if lay is not None else 1)
         return hierarchy
+
+    def _copy_blocks(self, sources: list[int], destinations: list[int]) -> None:
+        """Whole-block device copies, every layer of every layer group (the
+        draft's too): partial prefix hits (KVCacheManager.run_block_copies)."""
+        device = self._copy_caches[0][0].device
+        src = torch.tensor(sources, dtype=torch.int64, device=device)
+        dst = torch.tensor(destinations, dtype=torch.int64, device=device)
+        fmt = self._copy_format
+        fmt.write_blocks(self._copy_caches, dst, fmt.read_blocks(self._copy_caches, src))
 
     def _enable_native_decode(self, device: torch.device) -> str:
         """Attach the fused native decode step where the model can use it; returns
@@ -898,12 +915,18 @@ class LLMEngine:
         return outputs
 
     def _run_kv_transfers(self) -> None:
-        """This step's tier copies (demotions, promotions, swaps), batched, before its forward."""
+        """This step's block copies, batched, before its forward: the tiers'
+        demotions, then partial prefix hits' device copies, then promotions."""
         plan = self.kv.take_transfers()
+
+        def copies() -> None:
+            self.kv.run_block_copies(self._copy_blocks)
+
         if plan is None:
+            copies()
             return
         assert self.transfers is not None
-        self.transfers.run(plan)
+        self.transfers.run(plan, between=copies)
 
     # ---- KV tiers -------------------------------------------------------
     def flush_kv_tiers(self) -> int:

@@ -203,6 +203,32 @@ def run_warm_cache(
     return out
 
 
+def run_partial_cache(
+    make: EngineFactory, cases: Sequence[Case], **settings: Any
+) -> list[list[Answer]]:
+    """Each case after a warm-up request whose prompt is the case's followed by
+    other tokens up to the end of its last block and one more: the case's last
+    prompt block is then cached only inside a longer prompt's full block, so
+    the case's hit ends inside a block (a partial prefix hit: a copied block,
+    engine/kv/manager.py). Prompt logprobs are off (a first admission that
+    wants them takes no hit)."""
+    eng = make(**settings)
+    bs = eng.kv.block_size
+
+    def params(c: Case, max_tokens: int) -> SamplingParams:
+        return replace(greedy_params(c), prompt_logprobs=None, max_tokens=max_tokens)
+
+    out = []
+    before = eng.kv.partial_hit_tokens
+    for i, c in enumerate(cases):
+        extra = [(t * 7 + 3) % 200 + 17 for t in range((-len(c.prompt)) % bs + 1)]
+        drive(eng, [Submission(f"w{i}", [*c.prompt, *extra], params(c, 1))])
+        got = drive(eng, [Submission(f"r{i}", list(c.prompt), params(c, c.max_tokens))])
+        out.append(got[f"r{i}"])
+    assert eng.kv.partial_hit_tokens > before, "no case took a partial prefix hit"
+    return out
+
+
 def run_from_tier(
     make: EngineFactory, cases: Sequence[Case], tier: str, **settings: Any
 ) -> list[list[Answer]]:

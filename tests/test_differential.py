@@ -54,7 +54,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ from tests.differential import (
     make_cases,
     run_alone,
     run_from_tier,
+    run_partial_cache,
     run_together,
     run_warm_cache,
 )
@@ -131,6 +132,9 @@ class Model:
     cases: tuple[Case, ...]
     preempt: dict[str, Any]  # a KV cache small enough to force preemptions
     tiers: dict[str, Any]  # a device pool too small to keep the cases, and a host tier
+    # Settings for the partial-hit axis: a block of several KIVI groups, so that
+    # KIVI modes can copy part of one (their hits come in whole groups).
+    partial: dict[str, Any] = field(default_factory=dict)
 
     def factory(self, mode: dict[str, Any]) -> EngineFactory:
         def make(**overrides: Any) -> LLMEngine:
@@ -158,6 +162,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Model:
         cases=tuple(make_cases(7, 16, (17, 256), max_prompt=48, max_tokens=10)),
         preempt={"num_gpu_blocks_override": 40},
         tiers={"num_gpu_blocks_override": 40, "num_host_blocks_override": 512},
+        partial={"block_size": 8},
     )
 
 
@@ -172,6 +177,7 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory, tiny: Model) -> Model:
         cases=tiny.cases,
         preempt=tiny.preempt,
         tiers=tiny.tiers,
+        partial=tiny.partial,
     )
 
 
@@ -300,6 +306,11 @@ AXES: dict[str, Axis] = {
     "prefix_warm_prompt_logprobs": Axis(
         lambda m, make, ref: run_warm_cache(make, list(m.cases), prompt_logprobs=True)
     ),
+    # Hits that end inside a block (partial prefix hits: the block is copied).
+    "prefix_partial": Axis(
+        lambda m, make, ref: run_partial_cache(make, list(m.cases), **m.partial),
+        prompt_logprobs=False,
+    ),
     "preempt": Axis(
         lambda m, make, ref: run_together(make, list(m.cases), check=_preempted, **m.preempt)
     ),
@@ -426,6 +437,7 @@ SMOLLM_CASES: dict[str, tuple[str, ...]] = {
         "chunked16",
         "prefix_warm",
         "prefix_host",
+        "prefix_partial",
         "preempt",
         "spec_ngram_batch",
     ),
@@ -443,6 +455,7 @@ SMOLLM_AXES = (
     "chunked16",
     "prefix_warm",
     "prefix_warm_prompt_logprobs",
+    "prefix_partial",
     "preempt",
     "preempt_swap",
     "prefix_host",

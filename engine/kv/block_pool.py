@@ -12,6 +12,11 @@ Ownership contract
 * Only full blocks are hashed. A hashed block's contents never change while it
   is hashed: the KV manager hashes a block only after every slot in it is
   written, and nobody writes into a block whose reference count is above 1.
+* Cached blocks are also indexed by their *family* (the key of the block
+  before them in their chain, or a per-tenant root key for a chain's first
+  block), so that a prompt whose next block is not cached can still find the
+  cached blocks that continue the same prefix and share a partial tail with
+  one of them (``children``; partial prefix hits, engine/kv/manager.py).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class KVBlock:
     token_ids: tuple[int, ...] | None = None  # the tokens a hashed block holds (hit verification)
     positions: Sequence[int] | None = None
     parent_hash: bytes | None = None  # the previous block's key in its chain (KV events)
+    family: bytes | None = None  # the children index it is listed under (hashed blocks only)
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
@@ -129,6 +135,8 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: EvictionPolicy = eviction or LRUEvictionPolicy()
         self._cached: dict[bytes, KVBlock] = {}
+        # family key -> {block id: block}: the cached blocks continuing one prefix.
+        self._children: dict[bytes, dict[int, KVBlock]] = {}
         self._on_evict = on_evict
         self.num_evicted = 0  # cached blocks reclaimed for reuse (counter)
         # KV events (engine/kv/events.py): set by the engine when they are on.
@@ -199,15 +207,22 @@ class BlockPool:
         block_hash: bytes,
         token_ids: Sequence[int],
         parent: bytes | None = None,
+        family: bytes | None = None,
     ) -> None:
         """Register a full, written block under its key (first writer wins);
-        ``parent`` is the key of the block before it in its chain (None: first)."""
+        ``parent`` is the key of the block before it in its chain (None: first).
+        ``family`` lists it in the children index (``children``): the parent's
+        key, or for a chain's first block a root key that keeps tenants apart;
+        None leaves it out of the index."""
         if block.block_hash is not None or block_hash in self._cached:
             return
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         block.parent_hash = parent
         self._cached[block_hash] = block
+        if family is not None:
+            block.family = family
+            self._children.setdefault(family, {})[block.block_id] = block
         if self.events is not None:
             self.events.stored(block_hash, parent, block.token_ids, MEDIUM_GPU)
 
@@ -217,10 +232,22 @@ class BlockPool:
                 del self._cached[block.block_hash]
                 if self.events is not None:
                     self.events.removed(block.block_hash, MEDIUM_GPU)
+            if block.family is not None:
+                siblings = self._children[block.family]
+                del siblings[block.block_id]
+                if not siblings:
+                    del self._children[block.family]
+                block.family = None
             block.block_hash = None
             block.token_ids = None
             block.parent_hash = None
         block.positions = None
+
+    def children(self, family: bytes) -> list[KVBlock]:
+        """The cached blocks (referenced or evictable) listed under ``family``:
+        every cached continuation of one prefix. Valid until the pool changes."""
+        siblings = self._children.get(family)
+        return list(siblings.values()) if siblings else []
 
     def cached_blocks(self) -> list[KVBlock]:
         """Every block registered in the prefix cache (referenced or evictable)."""
@@ -260,6 +287,10 @@ class BlockPool:
                 f"block accounting broken: {referenced} referenced + {len(self._free)} free "
                 f"+ {len(self._evictable)} evictable != {self.num_blocks}"
             )
+        for family, siblings in self._children.items():
+            for bid, b in siblings.items():
+                if b.block_id != bid or b.family != family or b.block_hash is None:
+                    raise AssertionError(f"children index lists block {bid} wrongly")
         for key, b in self._cached.items():
             if b.block_hash != key:
                 raise AssertionError(f"cached block {b.block_id} is indexed under another key")
@@ -268,5 +299,9 @@ class BlockPool:
                 raise AssertionError(f"hashed block {b.block_id} is missing from the index")
             if b.ref_count < 0:
                 raise AssertionError(f"block {b.block_id} has negative reference count")
+            if b.family is not None and (
+                b.block_hash is None or self._children.get(b.family, {}).get(b.block_id) is not b
+            ):
+                raise AssertionError(f"block {b.block_id} is misfiled in the children index")
             if b.ref_count > 0 and (b.block_id in free or b in self._evictable):
                 raise AssertionError(f"referenced block {b.block_id} is also free")

@@ -11,12 +11,24 @@ table and advance ``num_computed_tokens`` without compute. Blocks found on
 the device are shared (a reference); blocks found below get a fresh device
 block each and a host->device copy in this step's transfer plan. The
 scheduler never sees which tier a block came from.
+
+Partial prefix hits (``enable_partial_hits``): where a prompt's chain of
+cached blocks ends, a cached block that continues the same prefix may still
+share its first tokens with the prompt's next block (the same question asked
+again, with a different ending; the same chat with a new turn). The hit then
+also takes those tokens, rounded down to the format's granularity: a fresh
+block for the request, and a block copy queued for this step (the whole
+source row: the slots past the shared tokens are overwritten by the
+request's own compute before anything reads them). The source block holds
+one extra reference from the moment the hit is taken until the copy ran
+(``run_block_copies``), so that nothing evicts or rewrites it in between.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv.block_pool import BlockPool, EvictionPolicy, KVBlock, hash_block
@@ -38,16 +50,24 @@ class PrefixHit:
     new device block); ``origins[i]`` names the tier it was found in
     (``device``, ``host``, or ``disk``: staged into the host tier already).
     ``num_tokens`` is what the hit advances ``num_computed_tokens`` by: whole
-    blocks for a prefix hit, exactly the computed tokens for a swap-in.
+    blocks for a prefix hit (plus ``partial_tokens``), exactly the computed
+    tokens for a swap-in. ``partial`` is a cached device block whose first
+    ``partial_tokens`` tokens continue the hit (copied into a new block when
+    the hit is taken; see the module doc).
     """
 
     sources: list[KVBlock | HostEntry] = field(default_factory=list)
     origins: list[str] = field(default_factory=list)
     num_tokens: int = 0
     swap: bool = False
+    partial: KVBlock | None = None
+    partial_tokens: int = 0
 
     def __len__(self) -> int:
         return len(self.sources)
+
+    def __bool__(self) -> bool:
+        return bool(self.sources) or self.partial is not None
 
     def tokens_from(self, origin: str, block_size: int) -> int:
         """Prompt tokens of this hit found in tier ``origin`` (whole blocks)."""
@@ -82,6 +102,12 @@ class KVCacheManager:
         self._waits: dict[str, list[TransferTicket]] = {}
         self._pending_blocks: dict[int, TransferTicket] = {}
         self._swap_serial = 0
+        # Partial prefix hits: 0 = off, else tokens are taken in multiples of it.
+        self.partial_granularity = 0
+        self.partial_hit_tokens = 0  # counter: tokens served by partial hits
+        # Block copies queued by partial hits, (source, destination) device ids,
+        # each source holding one reference until run_block_copies.
+        self._copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -94,6 +120,14 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    def enable_partial_hits(self, granularity: int) -> None:
+        """Let prefix hits end inside a block, at multiples of ``granularity``
+        tokens (1 for plain formats; a quantized format's group size). The
+        engine enables it only where it can run ``run_block_copies``."""
+        if not 1 <= granularity <= self.block_size:
+            raise ValueError(f"partial-hit granularity {granularity} outside 1..{self.block_size}")
+        self.partial_granularity = granularity
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -114,6 +148,39 @@ class KVCacheManager:
                 hash_block(parent, req.all_token_ids[i * bs : (i + 1) * bs], extra)
             )
 
+    @staticmethod
+    def _family(req: Request, index: int) -> bytes:
+        """The children-index key of block ``index`` of ``req`` (see BlockPool):
+        its parent's key, or a root key per tenant (cache salt, adapter) for a
+        chain's first block, so that partial hits never cross tenants."""
+        if index:
+            return req.block_hashes[index - 1]
+        return hashlib.sha256(b"fuel-root" + req.cache_extra_key()).digest()
+
+    def _partial_tail(self, req: Request, index: int, limit: int) -> tuple[KVBlock | None, int]:
+        """The cached block continuing ``req``'s first ``index`` blocks that shares
+        the most leading tokens with its block ``index``, and how many it shares
+        (at most ``limit``, rounded down to the granularity); (None, 0) if none.
+        Cost: one comparison per cached sibling (bounded by the distinct
+        continuations of one prefix), at admission only."""
+        g = self.partial_granularity
+        if not g or limit < g:
+            return None, 0
+        bs = self.block_size
+        want = tuple(req.all_token_ids[index * bs : index * bs + min(bs, limit)])
+        best: KVBlock | None = None
+        best_n = 0
+        for block in self.pool.children(self._family(req, index)):
+            assert block.token_ids is not None
+            # At most block_size tokens, once per sibling, at admission only.
+            n = next(
+                (j for j, (x, y) in enumerate(zip(block.token_ids, want)) if x != y), len(want)
+            )
+            if n > best_n:
+                best, best_n = block, n
+        best_n -= best_n % g
+        return (best, best_n) if best_n else (None, 0)
+
     # ---- prefix cache -------------------------------------------------
     def find_cached_prefix(self, req: Request) -> PrefixHit:
         """Blocks holding a prefix of ``req``'s tokens, from any tier (not yet referenced).
@@ -130,16 +197,17 @@ class KVCacheManager:
         if not self.enable_prefix_caching or req.num_computed_tokens:
             return PrefixHit()
         bs = self.block_size
-        max_blocks = (req.num_tokens - 1) // bs
+        limit = req.num_tokens - 1  # tokens a hit may cover
         if req.kv_cap is not None:
             # A KV policy's cap: the hit must leave room for one computed token.
-            max_blocks = min(max_blocks, (req.kv_cap - 1) // bs)
+            limit = min(limit, req.kv_cap - 1)
         if req.wants_prompt_logprobs:
             # The logprob of prompt token p comes from the hidden state at p - 1,
             # which a hit does not compute: a request that still needs prompt
             # logprobs may skip only positions whose logprobs it already has
             # (all of them after a preemption; none on its first admission).
-            max_blocks = min(max_blocks, (req.num_prompt_logprobs - 1) // bs)
+            limit = min(limit, req.num_prompt_logprobs - 1)
+        max_blocks = max(limit, 0) // bs
         self._update_hashes(req, max_blocks * bs)
         below = self.hierarchy
         sources: list[KVBlock | HostEntry | None] = []
@@ -187,6 +255,12 @@ class KVCacheManager:
                 del sources[cut:], origins[cut:]
         hit = PrefixHit([s for s in sources if s is not None], origins)
         hit.num_tokens = len(hit.sources) * bs
+        # Where the chain ends (a miss, the cap, or a disk block that failed its
+        # checks), a cached sibling on the device may continue it partway.
+        hit.partial, hit.partial_tokens = self._partial_tail(
+            req, len(hit.sources), limit - hit.num_tokens
+        )
+        hit.num_tokens += hit.partial_tokens
         return hit
 
     def _swapped_hit(self, req: Request) -> PrefixHit:
@@ -204,7 +278,8 @@ class KVCacheManager:
     def record_prefix_query(self, req: Request, hit: PrefixHit) -> None:
         """Count a first admission's lookup (tokens), by the tier each hit came from."""
         bs = self.block_size
-        device = hit.tokens_from("device", bs)
+        device = hit.tokens_from("device", bs) + hit.partial_tokens
+        self.partial_hit_tokens += hit.partial_tokens
         host = hit.tokens_from("host", bs)
         disk = hit.tokens_from("disk", bs)
         req.cached_tokens_by_tier = {"device": device, "host": host, "disk": disk}
@@ -224,8 +299,11 @@ class KVCacheManager:
         need = self.blocks_needed(req.num_kv_tokens + hit.num_tokens + num_new_tokens)
         on_device = hit.device_blocks
         have = len(req.block_ids) + len(on_device)
-        # Cached blocks with no reference sit in the free count; taking them uses them up.
+        # Cached blocks with no reference sit in the free count; taking them uses
+        # them up (a partial hit's source too: it is referenced until its copy).
         evictable_hits = sum(1 for b in on_device if b.ref_count == 0)
+        if hit.partial is not None and hit.partial.ref_count == 0:
+            evictable_hits += 1
         return need - have <= self.pool.num_free_blocks - evictable_hits
 
     def allocate_slots(
@@ -239,7 +317,7 @@ class KVCacheManager:
         ``num_computed_tokens`` advances by ``cached.num_tokens``. Returns
         False, changing nothing, when there are not enough free blocks.
         """
-        hit = cached if cached is not None and cached.sources else None
+        hit = cached if cached else None
         if not self.can_allocate(req, num_new_tokens, hit):
             return False
         if hit is not None:
@@ -261,6 +339,8 @@ class KVCacheManager:
                 below.host.pin(s)
             else:
                 self.pool.touch(s)
+        if hit.partial is not None:
+            self.pool.touch(hit.partial)  # the copy's reference (run_block_copies drops it)
         waits: list[TransferTicket] = []
         base = len(req.block_ids)
         for i, s in enumerate(hit.sources):
@@ -273,9 +353,9 @@ class KVCacheManager:
                 if self.enable_prefix_caching and not s.private and s.token_ids is not None:
                     # The chain's previous block is the one just before it in the table.
                     prev = self.pool.blocks[req.block_ids[-1]] if req.block_ids else None
-                    self.pool.cache(
-                        block, s.key, s.token_ids, prev.block_hash if prev is not None else None
-                    )
+                    parent = prev.block_hash if prev is not None else None
+                    family = self._family(req, 0) if prev is None else parent
+                    self.pool.cache(block, s.key, s.token_ids, parent, family)
                 if below.async_copies:
                     self._pending_blocks[block.block_id] = below.current_ticket
                     waits.append(below.current_ticket)
@@ -285,6 +365,11 @@ class KVCacheManager:
                 if pending is not None:
                     waits.append(pending)
             req.block_ids.append(block.block_id)
+        if hit.partial is not None:
+            dst = self.pool.allocate()
+            dst.positions = self._positions(len(req.block_ids))
+            req.block_ids.append(dst.block_id)
+            self._copies.append((hit.partial.block_id, dst.block_id))
         req.num_computed_tokens += hit.num_tokens
         if hit.swap:
             assert below is not None
@@ -295,6 +380,20 @@ class KVCacheManager:
             req.swapped_tokens = 0
         if waits:
             self._waits.setdefault(req.request_id, []).extend(waits)
+
+    def run_block_copies(self, copy: Callable[[list[int], list[int]], None]) -> int:
+        """Run the block copies partial hits queued (``copy(sources, destinations)``
+        copies whole device blocks, every layer), then drop the sources' copy
+        references. The engine calls it every step after the tiers' demotions
+        (a destination may be a block just demoted) and before promotions and
+        the forward. Returns the number of blocks copied."""
+        if not self._copies:
+            return 0
+        copies, self._copies = self._copies, []
+        copy([s for s, _ in copies], [d for _, d in copies])
+        for src, _ in copies:
+            self.pool.free(self.pool.blocks[src])
+        return len(copies)
 
     def is_ready(self, req: Request) -> bool:
         """Whether every block ``req`` holds has arrived (async copies only)."""
@@ -327,6 +426,7 @@ class KVCacheManager:
                     req.block_hashes[i],
                     req.all_token_ids[i * bs : (i + 1) * bs],
                     req.block_hashes[i - 1] if i else None,
+                    self._family(req, i),
                 )
 
     # ---- preemption by swapping ------------------------------------------
@@ -579,8 +679,11 @@ class KVCacheManager:
             held += len(req.block_ids)
             swap_pins += len(req.swapped_blocks)
         refs = sum(b.ref_count for b in self.pool.blocks)
-        if refs != held:
-            raise AssertionError(f"{refs} block references but requests hold {held}")
+        if refs != held + len(self._copies):
+            raise AssertionError(
+                f"{refs} block references but requests hold {held} and "
+                f"{len(self._copies)} block copies are pending"
+            )
         if self.hierarchy is not None:
             self.hierarchy.check_invariants(swap_pins)
         elif swap_pins:

@@ -26,6 +26,7 @@ Order and synchrony:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -58,10 +59,15 @@ class KVTransferExecutor:
         if device.type == "cuda" and hierarchy.async_copies:
             self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
-    def run(self, plan: TransferPlan) -> None:
-        """Run ``plan`` (device->host first, then host->device), then tell the hierarchy."""
+    def run(self, plan: TransferPlan, between: Callable[[], None] | None = None) -> None:
+        """Run ``plan`` (device->host first, then ``between``, then host->device),
+        then tell the hierarchy. ``between`` is the step's device-side block
+        copies (partial prefix hits): their destinations may be blocks this
+        plan demotes, and promotions never write their sources."""
         if plan.device_to_host:
             self._device_to_host(plan)
+        if between is not None:
+            between()
         if plan.host_to_device:
             self._host_to_device(plan)
         self.hierarchy.plan_ran(plan)
