@@ -18,7 +18,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, get_args
@@ -284,30 +283,6 @@ class AsyncEngine:
         except queue.Empty:
             return None
 
-    def _coalesce(self, cmd: _Add | _Abort | _Call | None) -> _Add | _Abort | _Call | None:
-        """Woken from idle by ``cmd``: with ``--arrival-coalesce-ms`` set, apply the
-        commands of a burst as they come (each within the gap of the last, for at
-        most ten gaps in all) and return the one to apply next (None: none queued).
-
-        Why: on a 2-core CPU the HTTP handlers (parsing, chat templates,
-        tokenizing) and a step's threads compete for the same cores; a step
-        started on the burst's first request slows the handlers of the rest,
-        which then arrive as later, smaller waves."""
-        gap = self.config.arrival_coalesce_ms / 1000.0
-        if gap <= 0 or not isinstance(cmd, _Add):
-            return cmd
-        deadline = time.monotonic() + 10 * gap
-        while cmd is not None:
-            self._apply(cmd)
-            wait = min(gap, deadline - time.monotonic())
-            if wait <= 0:
-                return self._next_command()
-            try:
-                cmd = self._commands.get(timeout=wait)
-            except queue.Empty:
-                return None
-        return None
-
     def _run(self) -> None:
         eng = self.engine
         try:
@@ -322,7 +297,6 @@ class AsyncEngine:
                         cmd = self._commands.get(timeout=0.5)
                     except queue.Empty:
                         continue
-                    cmd = self._coalesce(cmd)
                 while cmd is not None:
                     self._apply(cmd)
                     cmd = self._next_command()

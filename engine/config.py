@@ -153,13 +153,6 @@ class EngineConfig:
     enable_chunked_prefill: bool = setting(True, "Split long prefills across steps.")
     enable_prefix_caching: bool = setting(True, "Reuse KV blocks of shared prompt prefixes.")
     scheduling_policy: SchedulingPolicy = setting("priority", "Waiting-queue order.")
-    arrival_coalesce_ms: float = setting(
-        0.0,
-        "When the engine is idle and a request arrives, keep taking requests while the "
-        "next one comes within this many milliseconds (at most 10x it in all) before the "
-        "first step, so a burst starts as one batch (0: step at once).",
-        minimum=0.0,
-    )
     max_waiting_requests: int = setting(1024, "Queue length before 429s.", minimum=0)
     aging_interval_s: float = setting(
         30.0,

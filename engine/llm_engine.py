@@ -62,7 +62,7 @@ from engine.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bit
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
 from engine.sampling.sampler import GrammarMaskFn, SampleRow
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from engine.spec_decode.calibrate import measure_step_cost
+from engine.spec_decode.calibrate import measure_plain_step_cost, measure_step_cost
 from engine.spec_decode.controller import AdaptiveDraftPolicy, DraftPolicy, FixedDraftPolicy
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
@@ -603,6 +603,15 @@ class LLMEngine:
         sizes = [n for n in grid if n <= limit] or [1]
         t0 = time.perf_counter()
         target = measure_step_cost(self.runner, sizes, self.kv.num_blocks, cfg.block_size)
+        plain = None
+        if self.runner.native_step is not None or self.runner.graphs is not None:
+            # Plain decode steps take a faster path than verification chunks.
+            seqs = [b for b in grid if b <= cfg.max_num_seqs] or [1]
+            plain = measure_plain_step_cost(self.runner, seqs, self.kv.num_blocks, cfg.block_size)
+            logger.info(
+                "plain decode step table (sequences: ms): %s",
+                ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in plain.points),
+            )
         draft_cost = None
         if isinstance(proposer, DraftModelProposer):
             rows = [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= cfg.max_num_seqs] or [1]
@@ -613,8 +622,8 @@ class LLMEngine:
             time.perf_counter() - t0,
         )
         if draft_cost is None:
-            return AdaptiveDraftPolicy(target)
-        return AdaptiveDraftPolicy(target, draft_cost)
+            return AdaptiveDraftPolicy(target, plain_cost=plain)
+        return AdaptiveDraftPolicy(target, draft_cost, plain)
 
     def describe(self) -> str:
         i = self.info

@@ -37,13 +37,30 @@ fi
 SRC="llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -d "$SRC" ] || tar xzf "$SDIST"
 
+# Native CPU flags, except AMX: on the AMX Xeon VMs this project runs on, the
+# peer's AMX matmul (the repacked Q4_1 weights) dies with SIGSEGV at its first
+# forward (gdb: ggml_backend_amx_mul_mat), as the guest is not granted AMX tile
+# state. Where the CPU has AMX the build lists every other native extension
+# instead, so the peer keeps its AVX-512 and repacked paths. PEER_AMX=1 keeps
+# -march=native as is.
+ARCH=(-DGGML_NATIVE=ON)
+if grep -qw amx_int8 /proc/cpuinfo && [ "${PEER_AMX:-0}" != 1 ]; then
+    has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
+    ARCH=(-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2="$(has avx2)"
+        -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)" -DGGML_BMI2="$(has bmi2)"
+        -DGGML_AVX_VNNI="$(has avx_vnni)" -DGGML_AVX512="$(has avx512f)"
+        -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)"
+        -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+        -DGGML_AMX_BF16=OFF)
+    echo "AMX CPU: building without AMX (${ARCH[*]})" >&2
+fi
 if [ ! -x build/bin/llama-server ] || [ ! -x build/bin/llama-quantize ]; then
     # LLAMA_USE_PREBUILT_UI=OFF: the default would fetch the web UI from the network.
     nice -n 19 cmake -S "$SRC" -B build \
         -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF \
-        -DGGML_NATIVE=ON
+        "${ARCH[@]}"
     nice -n 19 cmake --build build --target llama-server llama-quantize -j"$JOBS"
 fi
 

@@ -106,6 +106,13 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
         default=[],
         help="extra argument for `python -m server.cli` (repeatable)",
     )
+    p.add_argument(
+        "--peer-arg",
+        action="append",
+        default=[],
+        help="extra argument for llama-server (repeatable; e.g. --peer-arg=--no-repack "
+        "where its repacked Q4 weights crash, as on this project's AMX Xeon hosts)",
+    )
     p.add_argument("--peer-bin", default=None, help="llama-server binary (default: PATH)")
     p.add_argument(
         "--peer-venv",
@@ -198,6 +205,7 @@ def peer_spec(a: argparse.Namespace, model: Path, side: str = "peer") -> ServerS
             "-cb",
             "-c",
             str(a.ctx_per_slot * a.parallel),
+            *a.peer_arg,
         ]
         notes = f"llama-server, {a.parallel} slots, continuous batching, {a.threads} threads"
         return ServerSpec("llama-server", argv, port, "/health", notes, side=side)

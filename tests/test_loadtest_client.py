@@ -371,3 +371,19 @@ def test_conversations_share_the_system_prompt_and_keep_their_history() -> None:
         *first[0][:2],
         {"role": "assistant", "content": "an answer"},
     ]
+
+
+def test_compare_passes_peer_args_to_llama_server(tmp_path: Path) -> None:
+    """--peer-arg reaches llama-server's command line, after the harness's own flags."""
+    import argparse
+
+    from loadtest.compare import add_compare_args, peer_spec
+
+    p = argparse.ArgumentParser()
+    add_compare_args(p)
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    a = p.parse_args(["--peer-bin", str(fake), "--peer-arg=--no-repack", "--peer-arg=-fa"])
+    spec = peer_spec(a, tmp_path / "m.gguf")
+    assert spec.argv[0] == str(fake) and spec.argv[-2:] == ["--no-repack", "-fa"]
+    assert spec.argv[spec.argv.index("-np") + 1] == "32"

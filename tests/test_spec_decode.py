@@ -346,6 +346,31 @@ def test_adaptive_rule_drafts_when_cheap_and_stops_in_large_batches() -> None:
     assert per_request[0] == 4 and per_request[-1] == 0
 
 
+def test_plain_decode_table_prices_leaving_the_fast_path() -> None:
+    """Where decode-only steps run a faster path (P) than verification (T), the
+    first draft pays for the switch: a batch that drafts against T alone stops
+    drafting once P is known, but only for decode-only steps."""
+    target = flat_then_linear(8, 0.03, 0.004)
+    plain = StepCostModel([(b, 0.6 * target(b)) for b in (1, 2, 4, 8, 16, 32)])
+    batch = [Candidate(f"r{i}", 4) for i in range(4)]
+    assert sum(AdaptiveDraftPolicy(target).draft_counts(batch, 4, True)) > 0
+    policy = AdaptiveDraftPolicy(target, plain_cost=plain)
+    assert sum(policy.draft_counts(batch, 4, decode_only=True)) == 0
+    assert policy.draft_counts(batch, 4, decode_only=False) == AdaptiveDraftPolicy(
+        target
+    ).draft_counts(batch, 4)
+    # One stream at high acceptance still drafts: 5 tokens for one T step beat 1 for P.
+    for _ in range(10):
+        policy.observe("solo", 4, 4)
+    assert policy.draft_counts([Candidate("solo", 4)], 1, decode_only=True) == [4]
+    # Plain decode steps feed P, everything else T.
+    before_t, before_p = target(4), plain(4)
+    policy.observe_step(4, 1.0, plain_decode=True)
+    assert plain(4) > before_p and target(4) == before_t
+    policy.observe_step(4, 1.0)
+    assert target(4) > before_t
+
+
 def test_idle_requests_drift_back_to_the_prior() -> None:
     policy = AdaptiveDraftPolicy(flat_then_linear(8, 0.03, 0.004))
     for _ in range(10):

@@ -70,3 +70,18 @@ def measure_step_cost(
         runner.execute(batch)
 
     return StepCostModel.measure(run, usable, rounds=3)
+
+
+def measure_plain_step_cost(
+    runner: ModelRunner, sizes: Sequence[int], num_blocks: int, block_size: int
+) -> StepCostModel:
+    """``P(b)``: one decode-only step of ``b`` sequences without drafts (the path
+    plain decode steps take, the fused native step where there is one)."""
+    usable = [b for b in sizes if fake_chunks(b, 1, num_blocks, block_size) is not None] or [1]
+
+    def run(b: int) -> None:
+        batch = fake_chunks(b, 1, num_blocks, block_size)
+        assert batch is not None
+        runner.execute(batch)
+
+    return StepCostModel.measure(run, usable, rounds=3)

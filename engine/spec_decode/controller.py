@@ -11,7 +11,12 @@ output tokens per second:
   step), so one whose drafts stopped paying is probed again later.
 * The step's cost is a measured table ``T(n)``: seconds of one target
   forward over ``n`` tokens (``StepCostModel``, calibrated at start-up; for a
-  draft model also ``D(m)``, one draft forward over ``m`` rows).
+  draft model also ``D(m)``, one draft forward over ``m`` rows). Where plain
+  decode steps run another path than verification steps (the CPU's fused
+  native decode step takes decode-only steps, a verification chunk goes
+  through the per-layer forward), a second table ``P(b)``, one decode-only
+  step of ``b`` sequences, prices the step without drafts: taking the first
+  draft then also pays for leaving the fast path.
 * Candidates are (request, position ``i``) pairs worth ``a ** i`` expected
   tokens each. They are taken best first while that raises
   ``(B + sum of taken values) / (T(n0 + K) + drafting cost)``, where ``B``
@@ -138,16 +143,20 @@ class DraftPolicy(ABC):
     """Strategy: the number of drafts per candidate request for one step."""
 
     @abstractmethod
-    def draft_counts(self, candidates: Sequence[Candidate], num_base_tokens: int) -> list[int]:
+    def draft_counts(
+        self, candidates: Sequence[Candidate], num_base_tokens: int, decode_only: bool = False
+    ) -> list[int]:
         """Drafts for each candidate (same order), given ``num_base_tokens`` tokens
-        scheduled without drafts (every running request's next chunk)."""
+        scheduled without drafts (every running request's next chunk);
+        ``decode_only``: every one of those chunks is a single-token decode."""
 
     @abstractmethod
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verification: ``num_accepted`` of ``num_drafts`` drafts were accepted."""
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """The target's forward over ``num_tokens`` tokens took ``seconds``."""
+    def observe_step(self, num_tokens: int, seconds: float, plain_decode: bool = False) -> None:
+        """The target's forward over ``num_tokens`` tokens took ``seconds``
+        (``plain_decode``: a decode-only step without drafts)."""
         return None
 
     @abstractmethod
@@ -162,7 +171,9 @@ class DraftPolicy(ABC):
 class FixedDraftPolicy(DraftPolicy):
     """Always as many drafts as allowed (``"adaptive": false``); measures nothing."""
 
-    def draft_counts(self, candidates: Sequence[Candidate], num_base_tokens: int) -> list[int]:
+    def draft_counts(
+        self, candidates: Sequence[Candidate], num_base_tokens: int, decode_only: bool = False
+    ) -> list[int]:
         return [c.max_drafts for c in candidates]
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
@@ -198,17 +209,22 @@ def no_draft_cost(num_base_tokens: int, rows: list[int]) -> float:
 
 @dataclass
 class AdaptiveDraftPolicy(DraftPolicy):
-    """The rule in the module docstring; ``draft_cost``: the drafting model's time."""
+    """The rule in the module docstring; ``draft_cost``: the drafting model's time;
+    ``plain_cost``: ``P(b)``, a decode-only step of ``b`` sequences (None: the
+    same path as verification, priced by ``target_cost``)."""
 
     target_cost: StepCostModel
     draft_cost: DraftCost = no_draft_cost
+    plain_cost: StepCostModel | None = None
     _acc: dict[str, _Acceptance] = field(default_factory=dict)
 
     def acceptance(self, request_id: str) -> float:
         acc = self._acc.get(request_id)
         return acc.rate if acc is not None else PRIOR_ACCEPTANCE
 
-    def draft_counts(self, candidates: Sequence[Candidate], num_base_tokens: int) -> list[int]:
+    def draft_counts(
+        self, candidates: Sequence[Candidate], num_base_tokens: int, decode_only: bool = False
+    ) -> list[int]:
         counts = [0] * len(candidates)
         pairs: list[tuple[float, int, int]] = []  # (value, position, candidate)
         for ci, c in enumerate(candidates):
@@ -223,7 +239,8 @@ class AdaptiveDraftPolicy(DraftPolicy):
         n0 = max(num_base_tokens, 1)
         gain = float(len(candidates))
         rows: list[int] = []  # drafting rows per depth (depth 1 is the sync forward)
-        best_ratio = gain / (self.target_cost(n0) + self.draft_cost(n0, []))
+        plain = self.plain_cost if decode_only and self.plain_cost is not None else self.target_cost
+        best_ratio = gain / (plain(n0) + self.draft_cost(n0, []))
         best_k = 0
         for k, (value, pos, _) in enumerate(pairs, start=1):
             gain += value
@@ -244,9 +261,13 @@ class AdaptiveDraftPolicy(DraftPolicy):
         acc.tried = DECAY * acc.tried + num_accepted + (1 if num_accepted < num_drafts else 0)
         acc.seen = True
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """The target's forward over ``num_tokens`` tokens took ``seconds``."""
-        self.target_cost.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, plain_decode: bool = False) -> None:
+        """The target's forward over ``num_tokens`` tokens took ``seconds``; a
+        decode-only step without drafts goes to ``P`` where there is one."""
+        if plain_decode and self.plain_cost is not None:
+            self.plain_cost.observe(num_tokens, seconds)
+        else:
+            self.target_cost.observe(num_tokens, seconds)
 
     def end_step(self) -> None:
         for acc in self._acc.values():

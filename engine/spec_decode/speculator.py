@@ -56,10 +56,12 @@ class Speculator:
         candidates: list[Candidate] = []
         owners: list[Request] = []
         base = 0
+        decode_only = True
         for req in reqs:
             req.num_lookahead_tokens = 0
             todo = req.num_tokens - req.num_computed_tokens
             base += min(todo, budget)
+            decode_only = decode_only and todo == 1
             # Drafts go after the last sampled token: only decoding requests draft.
             if off or req.num_output_tokens == 0 or todo > 2:
                 continue
@@ -74,7 +76,7 @@ class Speculator:
             owners.append(req)
         if not candidates:
             return
-        for req, n in zip(owners, self.policy.draft_counts(candidates, base)):
+        for req, n in zip(owners, self.policy.draft_counts(candidates, base, decode_only)):
             req.num_lookahead_tokens = n
 
     def propose(
@@ -120,7 +122,8 @@ class Speculator:
         """Count the step's verifications (and feed the target forward's time to the
         policy's cost table); the step's lookahead requests are spent."""
         if target_seconds is not None:
-            self.policy.observe_step(sum(s.num_new_tokens for s in batch), target_seconds)
+            plain = all(s.num_new_tokens == 1 and not s.num_draft_tokens for s in batch)
+            self.policy.observe_step(sum(s.num_new_tokens for s in batch), target_seconds, plain)
         st = self.stats
         for s in batch:
             s.req.num_lookahead_tokens = 0
