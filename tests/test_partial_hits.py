@@ -33,18 +33,11 @@ from tests.differential import (
     run_alone,
 )
 from tests.model_utils import make_tiny_checkpoint
+from tests.test_kv_tiers import compute as computed  # allocate, "compute", cache a prompt
 
 
 def make_req(rid: str, tokens: list[int], salt: str | None = None, **kw: Any) -> Request:
     return Request(rid, rid, 0, list(tokens), SamplingParams(max_tokens=4, **kw), cache_salt=salt)
-
-
-def computed(kv: KVCacheManager, req: Request) -> None:
-    """Allocate and 'compute' the whole prompt of ``req`` (taking any hit), then cache it."""
-    hit = kv.find_cached_prefix(req)
-    assert kv.allocate_slots(req, req.num_tokens - hit.num_tokens, hit)
-    req.num_computed_tokens = req.num_tokens
-    kv.cache_computed_blocks(req)
 
 
 def test_partial_hit_takes_the_longest_sibling_and_copies_it() -> None:
