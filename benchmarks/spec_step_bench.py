@@ -26,6 +26,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.models.linear import PackedLinear
 from engine.request import Request
 from engine.sampling.params import SamplingParams
 from engine.scheduler import ScheduledRequest
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     drafts = [int(x) for x in a.drafts.split(",")]
     engines: dict[str, LLMEngine] = {}
     for mr in a.min_rows.split(","):
-        linear: Any = "torch" if a.cpu_linear == "onednn" else a.cpu_linear
+        linear: Any = a.cpu_linear
         eng = LLMEngine(
             EngineConfig(
                 kv_cache_memory=512 << 20,
@@ -94,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         if a.cpu_linear == "onednn":
-            eng.model.pack_for_cpu(int(mr))
+            # The threshold each prepacked linear switches to oneDNN at.
+            for m in eng.model.modules():
+                if isinstance(m, PackedLinear):
+                    m.min_rows = int(mr)
         engines[f"min_rows={mr}" if a.cpu_linear == "onednn" else a.cpu_linear] = eng
     best: dict[tuple[str, int, int], float] = {}
     for _ in range(a.rounds):
