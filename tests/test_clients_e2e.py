@@ -22,6 +22,7 @@ import jsonschema
 import pytest
 
 from tests.conftest import default_gguf_path
+from tests.differential import ROUNDED_LOGPROB_ATOL
 from tests.live_server import live_server
 
 pytestmark = pytest.mark.slow  # a live default server (twice for lm-eval)
@@ -177,5 +178,10 @@ def test_lm_eval_loglikelihood_equal_with_and_without_prefix_cache(
     n_choices = sum(len(json.loads(line)["choices"]) for line in DATA.read_text().splitlines())
     assert len(cached) == len(plain) == n_choices
     assert cached_acc == plain_acc
+    # Both servers run the default numerics (Q4_1 linears with per-row activation
+    # codes, float16 KV): a prefix hit, whole-block or partial, changes how a
+    # prompt is chunked and batched, which moves a rounding step now and then.
+    # The differential suite's bound for these modes (tests/differential.py says
+    # why; measured here up to 3.6e-3). Exact mode is held to 1e-4 there.
     for a, b in zip(cached, plain):
-        assert abs(a - b) < 1e-3, (cached, plain)
+        assert abs(a - b) < ROUNDED_LOGPROB_ATOL, (cached, plain)
