@@ -62,7 +62,7 @@ from engine.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bit
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
 from engine.sampling.sampler import GrammarMaskFn, SampleRow
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from engine.spec_decode.calibrate import measure_plain_step_cost, measure_step_cost
+from engine.spec_decode.calibrate import measure_step_cost
 from engine.spec_decode.controller import AdaptiveDraftPolicy, DraftPolicy, FixedDraftPolicy
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
@@ -450,8 +450,8 @@ class LLMEngine:
         self.transfers: KVTransferExecutor | None = None
         if hierarchy is not None:
             self.transfers = KVTransferExecutor(tier_format, caches, hierarchy, device)
-        self._copy_format = tier_format
-        self._copy_caches = caches
+        self._tier_format = tier_format
+        self._all_caches = caches
         if cfg.enable_prefix_caching and self.tp is None:
             # Partial prefix hits copy blocks on this process's caches; tensor-
             # parallel ranks hold theirs in other processes (not built). A KIVI
@@ -463,11 +463,12 @@ class LLMEngine:
     def _copy_blocks(self, sources: list[int], destinations: list[int]) -> None:
         """Whole-block device copies, every layer of every layer group (the
         draft's too): partial prefix hits (KVCacheManager.run_block_copies)."""
-        device = self._copy_caches[0][0].device
-        src = torch.tensor(sources, dtype=torch.int64, device=device)
-        dst = torch.tensor(destinations, dtype=torch.int64, device=device)
-        fmt = self._copy_format
-        fmt.write_blocks(self._copy_caches, dst, fmt.read_blocks(self._copy_caches, src))
+        device = self._all_caches[0][0].device
+        self._tier_format.copy_blocks(
+            self._all_caches,
+            torch.tensor(sources, dtype=torch.int64, device=device),
+            torch.tensor(destinations, dtype=torch.int64, device=device),
+        )
 
     def _enable_native_decode(self, device: torch.device) -> str:
         """Attach the fused native decode step where the model can use it; returns
@@ -604,10 +605,14 @@ class LLMEngine:
         t0 = time.perf_counter()
         target = measure_step_cost(self.runner, sizes, self.kv.num_blocks, cfg.block_size)
         plain = None
-        if self.runner.native_step is not None or self.runner.graphs is not None:
-            # Plain decode steps take a faster path than verification chunks.
+        fast_decode = self.runner.native_step is not None or self.runner.graphs is not None
+        if fast_decode and not self.runner.split_verification:
+            # Plain decode steps take the fused step / graphs; verification chunks,
+            # not split into decode rows by this backend, run the per-layer forward.
             seqs = [b for b in grid if b <= cfg.max_num_seqs] or [1]
-            plain = measure_plain_step_cost(self.runner, seqs, self.kv.num_blocks, cfg.block_size)
+            plain = measure_step_cost(
+                self.runner, seqs, self.kv.num_blocks, cfg.block_size, plain=True
+            )
             logger.info(
                 "plain decode step table (sequences: ms): %s",
                 ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in plain.points),

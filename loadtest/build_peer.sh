@@ -42,7 +42,8 @@ SRC="llama_cpp_python-$VERSION/vendor/llama.cpp"
 # forward (gdb: ggml_backend_amx_mul_mat), as the guest is not granted AMX tile
 # state. Where the CPU has AMX the build lists every other native extension
 # instead, so the peer keeps its AVX-512 and repacked paths. PEER_AMX=1 keeps
-# -march=native as is.
+# -march=native as is. A build that exists is kept: delete PEER_DIR/build to
+# rebuild with other flags.
 ARCH=(-DGGML_NATIVE=ON)
 if grep -qw amx_int8 /proc/cpuinfo && [ "${PEER_AMX:-0}" != 1 ]; then
     has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }

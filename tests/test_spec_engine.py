@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import PositionLogprobs
 from engine.sampling.params import SamplingParams, StructuredOutputSpec
+from engine.spec_decode.controller import AdaptiveDraftPolicy
 from engine.trace import DecodeStep
 from tests.conftest import default_gguf_path
 from tests.model_utils import make_tiny_checkpoint
@@ -304,3 +305,19 @@ def test_self_draft_in_the_targets_own_linears_is_refused(dirs: dict[str, Path])
         assert eng.linear_strategy.name == "q4_1"
     finally:
         eng.close()
+
+
+def test_plain_decode_table_only_where_verification_leaves_the_fused_step(
+    dirs: dict[str, Path],
+) -> None:
+    """The native CPU backend splits verification chunks into decode rows of the
+    fused step: one path, no P table. The torch backend does not split them, so
+    they leave the fused step and P is measured (engine/spec_decode/controller.py)."""
+    spec = spec_configs(dirs)["ngram_adaptive"]
+    for backend, has_plain in (("auto", False), ("torch", True)):
+        eng = engine(dirs, spec, cpu_linear="q4_1", attention_backend=backend)
+        assert eng.runner.native_step is not None
+        assert eng.speculator is not None
+        policy = eng.speculator.policy
+        assert isinstance(policy, AdaptiveDraftPolicy)
+        assert (policy.plain_cost is not None) == has_plain, backend

@@ -96,6 +96,11 @@ class KVFormat(ABC):
         the model uses. In place, every layer.
         """
 
+    def copy_blocks(self, caches: LayerCaches, sources: torch.Tensor, dests: torch.Tensor) -> None:
+        """Copy whole blocks ``sources`` onto ``dests`` (int64, caches' device), every
+        layer: a gather of the sources' bytes, then a scatter (partial prefix hits)."""
+        self.write_blocks(caches, dests, self.read_blocks(caches, sources))
+
     def attention_layout(self) -> KiviLayout | None:
         """The quantized layout the attention backends read (``AttentionMetadata.kv_layout``);
         None for plain ``[num_blocks, block_size, num_kv_heads, head_dim]`` caches."""

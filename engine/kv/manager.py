@@ -53,7 +53,8 @@ class PrefixHit:
     blocks for a prefix hit (plus ``partial_tokens``), exactly the computed
     tokens for a swap-in. ``partial`` is a cached device block whose first
     ``partial_tokens`` tokens continue the hit (copied into a new block when
-    the hit is taken; see the module doc).
+    the hit is taken; see the module doc). ``len`` counts whole blocks
+    (``sources``); a hit is true when it has any, or a partial block.
     """
 
     sources: list[KVBlock | HostEntry] = field(default_factory=list)

@@ -58,30 +58,27 @@ def fake_chunks(
 
 
 def measure_step_cost(
-    runner: ModelRunner, sizes: Sequence[int], num_blocks: int, block_size: int
+    runner: ModelRunner,
+    sizes: Sequence[int],
+    num_blocks: int,
+    block_size: int,
+    plain: bool = False,
 ) -> StepCostModel:
     """``T(n)``: one target step verifying ``n - 1`` drafts of one sequence
-    (``runner.execute``): the linears, logits and verification of ``n`` rows."""
-    usable = [n for n in sizes if fake_chunks(1, n, num_blocks, block_size) is not None] or [1]
+    (``runner.execute``): the linears, logits and verification of ``n`` rows.
+    ``plain``: ``P(n)`` instead, one decode-only step of ``n`` sequences without
+    drafts (the path plain decode steps take)."""
+
+    def batch(n: int) -> list[ScheduledRequest] | None:
+        if plain:
+            return fake_chunks(n, 1, num_blocks, block_size)
+        return fake_chunks(1, n, num_blocks, block_size, verification=True)
+
+    usable = [n for n in sizes if batch(n) is not None] or [1]
 
     def run(n: int) -> None:
-        batch = fake_chunks(1, n, num_blocks, block_size, verification=True)
-        assert batch is not None
-        runner.execute(batch)
-
-    return StepCostModel.measure(run, usable, rounds=3)
-
-
-def measure_plain_step_cost(
-    runner: ModelRunner, sizes: Sequence[int], num_blocks: int, block_size: int
-) -> StepCostModel:
-    """``P(b)``: one decode-only step of ``b`` sequences without drafts (the path
-    plain decode steps take, the fused native step where there is one)."""
-    usable = [b for b in sizes if fake_chunks(b, 1, num_blocks, block_size) is not None] or [1]
-
-    def run(b: int) -> None:
-        batch = fake_chunks(b, 1, num_blocks, block_size)
-        assert batch is not None
-        runner.execute(batch)
+        chunks = batch(n)
+        assert chunks is not None
+        runner.execute(chunks)
 
     return StepCostModel.measure(run, usable, rounds=3)

@@ -12,11 +12,13 @@ output tokens per second:
 * The step's cost is a measured table ``T(n)``: seconds of one target
   forward over ``n`` tokens (``StepCostModel``, calibrated at start-up; for a
   draft model also ``D(m)``, one draft forward over ``m`` rows). Where plain
-  decode steps run another path than verification steps (the CPU's fused
-  native decode step takes decode-only steps, a verification chunk goes
-  through the per-layer forward), a second table ``P(b)``, one decode-only
-  step of ``b`` sequences, prices the step without drafts: taking the first
-  draft then also pays for leaving the fast path.
+  decode steps run another path than verification steps (the fused native
+  decode step or CUDA graphs take decode-only steps, and the attention
+  backend does not split a verification chunk into decode rows, so the chunk
+  runs the per-layer forward), a second table ``P(b)``, one decode-only step
+  of ``b`` sequences, prices the step without drafts: taking the first draft
+  then also pays for leaving the fast path. Backends that split verification
+  chunks (the CPU and Triton ones) run both on the same path: no ``P``.
 * Candidates are (request, position ``i``) pairs worth ``a ** i`` expected
   tokens each. They are taken best first while that raises
   ``(B + sum of taken values) / (T(n0 + K) + drafting cost)``, where ``B``
