@@ -44,12 +44,16 @@ from engine.sampling.params import SamplingParams
 
 def engine_for(spec: str, linear: str, args: argparse.Namespace, **kw: Any) -> LLMEngine:
     """``spec``: a KV cache dtype, then optionally ``/per_layer`` (decode steps
-    layer by layer) and ``/gN`` (KIVI group size N instead of ``--group-size``)."""
+    layer by layer), ``/gN`` (KIVI group size N instead of ``--group-size`` or
+    the format's default), ``/rN`` (float16 window of N tokens) and ``/sN``
+    (N sink tokens): e.g. ``kivi2/g32/r32/s0``."""
     kv, *opts = spec.split("/")
-    group = args.group_size
+    knobs = {"g": "kivi_group_size", "r": "kivi_residual_length", "s": "kivi_sink_tokens"}
+    if args.group_size is not None:
+        kw["kivi_group_size"] = args.group_size
     for o in opts:
-        if o.startswith("g"):
-            group = int(o[1:])
+        if o[:1] in knobs and o[1:].isdigit():
+            kw[knobs[o[:1]]] = int(o[1:])
         else:
             kw["cpu_decode_step"] = o
     return LLMEngine(
@@ -57,12 +61,20 @@ def engine_for(spec: str, linear: str, args: argparse.Namespace, **kw: Any) -> L
             cpu_linear=linear,  # type: ignore[arg-type]
             kv_cache_dtype=kv,  # type: ignore[arg-type]
             block_size=args.block_size,
-            kivi_group_size=group,
             kv_cache_memory=args.kv_cache_memory,
             max_num_seqs=64,
             **kw,
         )
     )
+
+
+def window_of(eng: LLMEngine) -> str:
+    """A KIVI engine's (group, float16 window, sinks), as the table states it."""
+    cfg = eng.config
+    if not cfg.kv_cache_dtype.startswith("kivi"):
+        return "-"
+    g, ring, sink = cfg.kivi_window
+    return f"G{g}, window {ring * g}, sinks {g if sink else 0}"
 
 
 def rss_after_start(kv: str, args: argparse.Namespace) -> float:
@@ -97,7 +109,7 @@ def decode_tok_s(eng: LLMEngine, ids: list[int], n: int, tag: str) -> float:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--configs", default="float32,float16,kivi4,kivi2,kivi2/g16")
+    ap.add_argument("--configs", default="float32,float16,kivi4,kivi2,kivi2/g32/r32/s0")
     ap.add_argument(
         "--speed-configs",
         default="float16,float16/per_layer,kivi4,kivi2",
@@ -105,8 +117,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--linear", default="onednn", help="linears of the quality runs")
     ap.add_argument("--speed-linear", default="auto", help="linears of the decode runs")
-    ap.add_argument("--block-size", type=int, default=256)
-    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=1024)
+    ap.add_argument("--group-size", type=int, default=None, help="default: each format's")
     ap.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--text-tokens", type=int, default=2560)
@@ -148,6 +160,7 @@ def quality(kvs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
         i = eng.info
         row = {
             "kv": kv,
+            "window": window_of(eng),
             "perplexity": ppl,
             "text_tokens": len(text_ids),
             "identical_answers": sum(d is None for d in diffs),
@@ -188,14 +201,15 @@ def render(result: dict[str, Any]) -> str:
     rows = result["quality"]
     ref = rows[0] if rows else None
     lines = [
-        "| KV format | perplexity | vs float32 | identical greedy answers | token agreement "
-        "| KV bytes/token | KV tokens | capacity vs float32 | RSS at start-up (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| KV format | KIVI window | perplexity | vs float32 | identical greedy answers "
+        "| token agreement | KV bytes/token | KV tokens | capacity vs float32 "
+        "| RSS at start-up (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         assert ref is not None
         lines.append(
-            f"| {r['kv']} | {r['perplexity']:.3f} | {100 * (r['perplexity'] / ref['perplexity'] - 1):+.2f}% "
+            f"| {r['kv']} | {r.get('window', '-')} | {r['perplexity']:.3f} | {100 * (r['perplexity'] / ref['perplexity'] - 1):+.2f}% "
             f"| {r['identical_answers']}/{r['prompts']} | {100 * r['token_agreement']:.1f}% "
             f"| {r['kv_bytes_per_token']:.0f} | {r['kv_tokens']} "
             f"| {r['kv_tokens'] / ref['kv_tokens']:.2f}x | {result['rss_mib'].get(r['kv'], 0):.0f} |"

@@ -59,22 +59,30 @@ class EngineConfig:
         "KV cache element type. auto: float16 on the CPU with the native attention backend "
         "(half the bytes per decode step; quality measured in docs/benchmarks/cpu.md), the "
         "model's dtype elsewhere. Exact mode: float32 (with --cpu-linear onednn). kivi4/kivi2: "
-        "KIVI 4-/2-bit blocks (keys per channel, values per token, float16 scales and "
-        "residual group; needs --block-size a multiple of --kivi-group-size, 256 for the "
+        "KIVI 4-/2-bit blocks (keys per channel, values per token, float16 scales and a "
+        "float16 window of the newest tokens, --kivi-*; needs --block-size 1024 for the "
         "full compression). fp8 is not supported.",
     )
-    kivi_group_size: int = setting(
-        32,
-        "KIVI: tokens per key quantization group (and channels per value group, at most "
-        "the head size); must divide --block-size.",
+    kivi_group_size: int | None = setting(
+        None,
+        "KIVI: tokens per key quantization group (one scale and zero point per channel "
+        "per group); must divide --block-size. Default: 32 for kivi4, 8 for kivi2 (2-bit "
+        "keys need the finer groups on the default model: docs/benchmarks/kv-compression.md). "
+        "Values are quantized per token in groups of 32 channels (fewer where the head size needs).",
         minimum=1,
     )
     kivi_residual_length: int | None = setting(
         None,
-        "KIVI: newest tokens kept at float16 before they are quantized; a multiple of "
-        "--kivi-group-size. Default and only value built: one group (each query reads its "
-        "own group at float16, older groups quantized).",
+        "KIVI: the float16 window, in tokens, a multiple of --kivi-group-size: each query "
+        "reads its own group and the groups before it up to this length at float16, older "
+        "ones quantized. Default: one group for kivi4 (32), four groups for kivi2 (32).",
         minimum=1,
+    )
+    kivi_sink_tokens: int | None = setting(
+        None,
+        "KIVI: tokens at the start of each sequence every query reads at float16 "
+        "(attention sinks): 0 or --kivi-group-size. Default: 0 for kivi4, one group for kivi2.",
+        minimum=0,
     )
     kv_low_rank_keys: int | None = setting(
         None,
@@ -304,23 +312,31 @@ class EngineConfig:
 
     def _check_kivi(self) -> None:
         """KIVI settings that need no model (the head size is checked at load)."""
-        g = self.kivi_group_size
-        r = self.kivi_residual_length
-        if r is not None and r % g:
-            raise ValueError(
-                f"--kivi-residual-length {r} is not a multiple of --kivi-group-size {g}"
-            )
         if self.kv_low_rank_keys is not None:
             raise ValueError(
                 "--kv-low-rank-keys is not built yet (issue 16 follow-up); leave it unset"
             )
         if not self.kv_cache_dtype.startswith("kivi"):
             return
-        if self.block_size % g:
+        g, ring, sink = self.kivi_window
+        r = ring * g
+        if self.kivi_residual_length is not None and self.kivi_residual_length % g:
+            raise ValueError(
+                f"--kivi-residual-length {self.kivi_residual_length} is not a multiple of "
+                f"--kivi-group-size {g}"
+            )
+        if self.kivi_sink_tokens not in (None, 0, g):
+            raise ValueError(
+                f"--kivi-sink-tokens {self.kivi_sink_tokens}: 0 or the group size ({g}) is built"
+            )
+        need = r + (g if sink else 0)
+        if self.block_size % g or self.block_size < need:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype} needs --block-size a multiple of "
-                f"--kivi-group-size {g} (got {self.block_size}); pass --block-size 256 (the "
-                "block size the compression ratios in docs/benchmarks/kv-compression.md use)"
+                f"--kivi-group-size {g} holding the float16 window ({r}) and sinks "
+                f"({g if sink else 0}): at least {need} (got {self.block_size}); pass "
+                "--block-size 1024 (the block size the compression ratios in "
+                "docs/benchmarks/kv-compression.md use)"
             )
         if self.tensor_parallel_size > 1 or self.kv_policy != "full":
             # TP ranks build plain caches; KV policies read attention mass the
@@ -329,12 +345,16 @@ class EngineConfig:
                 f"--kv-cache-dtype {self.kv_cache_dtype} with --tensor-parallel-size > 1 or "
                 "a --kv-policy other than full is not built"
             )
-        if r is not None and r != g:
-            raise ValueError(
-                f"--kivi-residual-length {r}: only one group ({g}) is built: a longer "
-                "float16 window would need per-sequence memory outside the block pool, or "
-                "blocks that change after they are full (and hashed)"
-            )
+
+    @property
+    def kivi_window(self) -> tuple[int, int, bool]:
+        """KIVI (group size, float16 window in groups, sinks on), defaults resolved
+        per format (the help texts of the three flags)."""
+        two = self.kv_cache_dtype == "kivi2"
+        g = self.kivi_group_size or (8 if two else 32)
+        r = self.kivi_residual_length or (4 * g if two else g)
+        sink = self.kivi_sink_tokens if self.kivi_sink_tokens is not None else (g if two else 0)
+        return g, max(1, r // g), sink > 0
 
     @property
     def vote_weights(self) -> dict[str, float]:

@@ -344,6 +344,7 @@ class LLMEngine:
             return PlainKVFormat(
                 mc.num_hidden_layers, cfg.block_size, kv_heads, mc.head_dim, kv_dtype
             )
+        group, ring, sink = cfg.kivi_window
         try:
             return KiviKVFormat(
                 mc.num_hidden_layers,
@@ -351,7 +352,9 @@ class LLMEngine:
                 mc.num_key_value_heads,
                 mc.head_dim,
                 bits=4 if name == "kivi4" else 2,
-                group_size=cfg.kivi_group_size,
+                group_size=group,
+                ring_groups=ring,
+                sink=sink,
             )
         except ValueError as e:
             raise ValueError(f"--kv-cache-dtype {name}: {e}") from e
@@ -455,9 +458,15 @@ class LLMEngine:
         if cfg.enable_prefix_caching and self.tp is None:
             # Partial prefix hits copy blocks on this process's caches; tensor-
             # parallel ranks hold theirs in other processes (not built). A KIVI
-            # block's tokens come in groups: a copied group must be whole.
+            # block's tokens come in groups: a copied group must be whole; and a
+            # float16 window of more than one group would read the copied
+            # block's slots, which hold the other sequence's last groups, so
+            # such layouts take whole-block hits only (kernels/kivi.py).
             lay = kv_format.attention_layout()
-            self.kv.enable_partial_hits(lay.group_size if lay is not None else 1)
+            if lay is None:
+                self.kv.enable_partial_hits(1)
+            elif lay.ring_groups == 1:
+                self.kv.enable_partial_hits(lay.group_size)
         return hierarchy
 
     def _copy_blocks(self, sources: list[int], destinations: list[int]) -> None:

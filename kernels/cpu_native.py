@@ -322,7 +322,7 @@ class CpuKernels:
         fused.restype = ctypes.c_int
         self._decode_store = fused
         kivi = self._lib.fuel_kivi_decode_attention_f32
-        kivi.argtypes = [p, p, p, p, i64, p, p, *([i64] * 12), ctypes.c_float, ctypes.c_int]
+        kivi.argtypes = [p, p, p, p, i64, p, p, *([i64] * 17), ctypes.c_float, ctypes.c_int]
         kivi.restype = ctypes.c_int
         self._kivi_decode = kivi
         f32 = ctypes.c_float
@@ -455,7 +455,8 @@ class CpuKernels:
         """Decode attention (one query per sequence, its key/value stored) over KIVI
         blocks read in place (csrc/cpu_kivi.c). Same result as
         :func:`kernels.kivi.kivi_attention_ref` on each sequence; ``q`` float32
-        ``[nd, Hq, D]`` contiguous; caches ``uint8 [num_blocks, side_nbytes]``;
+        ``[nd, Hq, D]`` contiguous; caches ``uint8 [num_blocks, lay.k.nbytes]`` and
+        ``[num_blocks, lay.v.nbytes]``;
         ``block_tables``/``seq_lens`` int32 as for :meth:`paged_decode_attention`.
         Anything else raises ValueError rather than reading wrong memory."""
         nd, hq, d = q.shape
@@ -467,10 +468,10 @@ class CpuKernels:
                     c.dtype == torch.uint8
                     and c.is_contiguous()
                     and c.dim() == 2
-                    and c.shape[1] == lay.side_nbytes
-                    for c in (k_cache, v_cache)
+                    and c.shape[1] == n
+                    for c, n in ((k_cache, lay.k.nbytes), (v_cache, lay.v.nbytes))
                 ),
-                f"contiguous uint8 [num_blocks, {lay.side_nbytes}] caches",
+                f"contiguous uint8 [num_blocks, {lay.k.nbytes} / {lay.v.nbytes}] caches",
             ),
             (k_cache.shape[0] == v_cache.shape[0], "matching caches"),
             (d == lay.head_dim and hq % lay.num_kv_heads == 0, "q heads matching the layout"),
@@ -505,10 +506,15 @@ class CpuKernels:
             lay.group_size,
             lay.value_group,
             lay.bits,
-            lay.side_nbytes,
-            lay.scale_offset,
-            lay.zero_offset,
-            lay.resid_offset,
+            lay.ring_groups,
+            int(lay.sink),
+            lay.k.nbytes,
+            lay.v.nbytes,
+            lay.k.scale_offset,
+            lay.k.zero_offset,
+            lay.v.zero_offset,
+            lay.k.resid_offset,
+            lay.v.resid_offset,
             scale,
             torch.get_num_threads(),
         )

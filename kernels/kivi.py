@@ -4,10 +4,13 @@ KIVI (Liu et al., ICML 2024) quantizes keys *per channel* (one scale and zero
 point per channel over a group of ``G`` tokens: key outliers live in fixed
 channels) and values *per token* (one scale and zero point per group of
 channels of one token), asymmetric min/max, and keeps the newest tokens in
-full precision.
+full precision. Here the newest tokens are a window of ``m`` groups
+(``--kivi-residual-length = m * G``), and optionally the sequence's first
+group too (attention sinks, as StreamingLLM keeps them).
 
-Block layout (one block, one layer, one side: K or V), ``side_nbytes`` bytes,
-row ``block_id`` of a ``uint8 [num_blocks, side_nbytes]`` cache tensor:
+Block layout (one block, one layer, one side: K or V). The two sides are rows
+of two ``uint8 [num_blocks, nbytes]`` cache tensors whose sizes differ (keys
+carry a scale per channel per group, values per channel group per token):
 
 ====================  =========================================  ==================
 part                  shape                                      dtype
@@ -17,28 +20,37 @@ codes                 ``[bs, Hkv, D * bits / 8]``                 uint8, packed
                       ``(c % per) * bits``; ``per = 8 // bits``)
 scale, zero           keys: ``[bs / G, Hkv, D]`` (per group,       float16
                       per channel); values: ``[bs, Hkv, D / Gv]``
-                      (per token, per channel group); each padded
-                      to the larger of the two
-residual              ``[G, Hkv, D]``: the block's newest,         float16
-                      not-yet-quantized group, row ``t % G``
+                      (per token, per channel group)
+float16 slots         ``[slots * G, Hkv, D]``: group slots of      float16
+                      float16 rows (``slots = m``, plus one with
+                      sinks); group ``j`` of the block sits in
+                      slot ``slot_of_group(j)``
 ====================  =========================================  ==================
 
-Who owns the residual: each block owns the full-precision (float16) rows of
-its *current group*: tokens are written there first; when a group's last token
-(offset ``% G == G - 1``) is stored, the whole group is quantized into the
-block's codes and scales, in place. ``G`` divides the block size, so a block
-that becomes full has quantized its last group in that same store: a full
-block, the only kind that is hashed and shared, never changes afterwards.
-The residual rows of a full block keep its last group's float16 values (a
-deterministic function of the tokens, so equal prefixes have equal bytes).
+Who owns the float16 rows: each block owns the float16 rows of its groups,
+in its slots. With sinks, slot 0 holds the block's first group for good and
+groups ``j >= 1`` rotate through slots ``1 .. m`` (``1 + (j - 1) % m``);
+without, group ``j`` is in slot ``j % m``. Every token is written there
+first; when a group's last token (offset ``% G == G - 1``) is stored, the
+whole group is also quantized into the block's codes and scales, in place.
+``G`` divides the block size, so a block that becomes full has quantized its
+last group in that same store: a full block, the only kind that is hashed and
+shared, never changes afterwards. Its slots keep its first group (sinks) and
+its last ``m`` groups at float16: a deterministic function of its tokens, so
+equal prefixes have equal bytes.
 
 What a query reads (the rule every kernel implements, and why it is a
-function of positions only): the query at position ``p`` reads tokens of the
-groups before its own, ``t < G * (p // G)``, from codes, and the tokens of its
-own group, ``G * (p // G) <= t <= p``, at float16. Whatever the chunking,
-batching or prefix-cache history, each (query, key) pair sees the same
-values, so outputs are identical alone, batched, chunked and from the prefix
-cache. The residual window is therefore the query's own group: 1..G tokens.
+function of positions only): the query at position ``p`` reads token ``t <=
+p`` at float16 when ``t >= window_start(p) = max(0, G * (p // G - m + 1))``
+(its own group and the ``m - 1`` before it) or ``t < sink_tokens`` (``G``
+with sinks, else 0), and from codes otherwise. A window token's group is
+fewer than ``m`` groups behind the query's, so no later group of its block
+has taken its slot yet; the window reaches back at most into the previous
+block, whose slots (it is full) hold its last ``m`` groups. Whatever the
+chunking, batching or prefix-cache history, each (query, key) pair sees the
+same values, so outputs are identical alone, batched, chunked and from the
+prefix cache. (A prefix hit that ends inside a block would inherit another
+sequence's slots: with ``m > 1`` the engine takes whole-block hits only.)
 
 Quantization (the only implementation; every backend stores through it):
 over the float16 values of a group, ``lo = min``, ``hi = max`` (float32);
@@ -57,15 +69,28 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
+class KiviSideLayout:
+    """Byte offsets of one side (K or V) of a block; ``nbytes`` per block per layer."""
+
+    param_elems: int  # float16 elements of each of scale and zero
+    scale_offset: int
+    zero_offset: int
+    resid_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class KiviLayout:
-    """One KIVI block layout; ``side_nbytes`` bytes per block per layer per side."""
+    """One KIVI block layout (see the module doc for the parts and the read rule)."""
 
     bits: int  # 2 or 4
-    group_size: int  # G: tokens per key group (and the residual group)
+    group_size: int  # G: tokens per key group (and per float16 slot)
     value_group: int  # Gv: channels per value group
     block_size: int
     num_kv_heads: int
     head_dim: int
+    ring_groups: int = 1  # m: the float16 window is the query's group and m - 1 before it
+    sink: bool = False  # the sequence's first group stays float16 for every query
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 4):
@@ -78,6 +103,12 @@ class KiviLayout:
             raise ValueError(
                 f"head size {self.head_dim} must be a multiple of the value group "
                 f"{self.value_group} and of {8 // self.bits}"
+            )
+        if self.ring_groups < 1 or self.slots * self.group_size > self.block_size:
+            raise ValueError(
+                f"KIVI float16 window of {self.ring_groups} group(s) of {self.group_size}"
+                f"{' plus the sink group' if self.sink else ''} must fit in a block of "
+                f"{self.block_size} tokens"
             )
 
     @property
@@ -93,6 +124,37 @@ class KiviLayout:
         return self.head_dim // self.per_byte
 
     @property
+    def slots(self) -> int:
+        """float16 group slots per block."""
+        return self.ring_groups + int(self.sink)
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.group_size if self.sink else 0
+
+    @property
+    def residual_length(self) -> int:
+        """Longest float16 window a query reads (``m * G``, sinks not counted)."""
+        return self.ring_groups * self.group_size
+
+    def slot_of_group(self, j: torch.Tensor) -> torch.Tensor:
+        """Slot of group ``j`` (within its block, any integer tensor)."""
+        m = self.ring_groups
+        if self.sink:
+            return torch.where(j == 0, 0, 1 + (j - 1).remainder(m))
+        return j.remainder(m)
+
+    def resid_row(self, offset: torch.Tensor) -> torch.Tensor:
+        """float16 row of the token at ``offset`` (within its block)."""
+        g = self.group_size
+        return self.slot_of_group(offset // g) * g + offset % g
+
+    def window_start(self, p: int) -> int:
+        """First position of the float16 window of the query at ``p``."""
+        g = self.group_size
+        return max(0, g * (p // g - self.ring_groups + 1))
+
+    @property
     def codes_nbytes(self) -> int:
         return self.block_size * self.num_kv_heads * self.packed_dim
 
@@ -105,49 +167,52 @@ class KiviLayout:
         return self.block_size * self.num_kv_heads * (self.head_dim // self.value_group)
 
     @property
-    def param_elems(self) -> int:
-        """float16 elements of one of scale/zero (the larger side's count)."""
-        return max(self.key_param_elems, self.value_param_elems)
-
-    @property
     def resid_elems(self) -> int:
-        return self.group_size * self.num_kv_heads * self.head_dim
+        return self.slots * self.group_size * self.num_kv_heads * self.head_dim
 
-    @property
-    def scale_offset(self) -> int:
+    def _side(self, param_elems: int) -> KiviSideLayout:
         # Rounded up to 16 bytes so every float16 part is aligned for the kernels.
-        return -(-self.codes_nbytes // 16) * 16
+        scale = -(-self.codes_nbytes // 16) * 16
+        zero = scale + 2 * param_elems
+        resid = -(-(zero + 2 * param_elems) // 16) * 16
+        return KiviSideLayout(param_elems, scale, zero, resid, resid + 2 * self.resid_elems)
 
     @property
-    def zero_offset(self) -> int:
-        return self.scale_offset + 2 * self.param_elems
+    def k(self) -> KiviSideLayout:
+        return self._side(self.key_param_elems)
 
     @property
-    def resid_offset(self) -> int:
-        return self.zero_offset + 2 * self.param_elems
+    def v(self) -> KiviSideLayout:
+        return self._side(self.value_param_elems)
+
+    def side(self, keys: bool) -> KiviSideLayout:
+        return self.k if keys else self.v
 
     @property
-    def side_nbytes(self) -> int:
-        return self.resid_offset + 2 * self.resid_elems
+    def block_nbytes(self) -> int:
+        """Bytes of one block of one layer, both sides."""
+        return self.k.nbytes + self.v.nbytes
 
 
 @dataclass
 class KiviSide:
-    """Typed views of one side (K or V) of a ``uint8 [NB, side_nbytes]`` cache."""
+    """Typed views of one side (K or V) of a ``uint8 [NB, nbytes]`` cache."""
 
     codes: torch.Tensor  # uint8 [NB, bs, H, Dp]
     scale: torch.Tensor  # float16 keys [NB, bs/G, H, D]; values [NB, bs, H, D/Gv]
     zero: torch.Tensor
-    resid: torch.Tensor  # float16 [NB, G, H, D]
+    resid: torch.Tensor  # float16 [NB, slots * G, H, D]
 
 
 def side_views(cache: torch.Tensor, lay: KiviLayout, keys: bool) -> KiviSide:
     """Views (no copies) of a KIVI side cache; writes through them land in ``cache``."""
-    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != lay.side_nbytes:
-        raise ValueError(f"a KIVI cache is uint8 [num_blocks, {lay.side_nbytes}]")
+    sl = lay.side(keys)
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != sl.nbytes:
+        raise ValueError(
+            f"a KIVI {'key' if keys else 'value'} cache is uint8 [num_blocks, {sl.nbytes}]"
+        )
     h, d, bs, g = lay.num_kv_heads, lay.head_dim, lay.block_size, lay.group_size
     pshape = (bs // g, h, d) if keys else (bs, h, d // lay.value_group)
-    pn = lay.key_param_elems if keys else lay.value_param_elems
     nb = int(cache.shape[0])
 
     def half(off: int, n: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -155,10 +220,21 @@ def side_views(cache: torch.Tensor, lay: KiviLayout, keys: bool) -> KiviSide:
 
     return KiviSide(
         codes=cache[:, : lay.codes_nbytes].view(nb, bs, h, lay.packed_dim),
-        scale=half(lay.scale_offset, pn, pshape),
-        zero=half(lay.zero_offset, pn, pshape),
-        resid=half(lay.resid_offset, lay.resid_elems, (g, h, d)),
+        scale=half(sl.scale_offset, sl.param_elems, pshape),
+        zero=half(sl.zero_offset, sl.param_elems, pshape),
+        resid=half(sl.resid_offset, lay.resid_elems, (lay.slots * g, h, d)),
     )
+
+
+def window_rows(
+    side: KiviSide, blocks: torch.Tensor, lo: int, hi: int, lay: KiviLayout
+) -> torch.Tensor:
+    """float16 ``[hi - lo, H, D]``: the float16 rows of positions ``[lo, hi)`` of
+    one sequence (``blocks``: its block ids, int64), read from their blocks'
+    slots. Valid for positions in some query's window or sink (module doc)."""
+    pos = torch.arange(lo, hi, device=side.resid.device)
+    bs = lay.block_size
+    return side.resid[blocks[pos // bs], lay.resid_row(pos % bs)]
 
 
 # ---------------------------------------------------------------- quantization
@@ -241,14 +317,14 @@ def dequantize_blocks(
 class KiviStorePlan:
     """Where one step's new tokens go; the same for every layer (built once per step).
 
-    ``resid_rows``: rows of the step's k/v written to residual rows
+    ``resid_rows``: rows of the step's k/v written to float16 rows
     ``(resid_block, resid_row)``: every stored token except those whose block
     row is taken, in this same step, by a later group of the same block (that
     row then holds the later token, as it would after token-by-token decode;
     excluding it keeps the scatter free of duplicate indices).
     ``group_*``: the groups that complete in this step; ``group_src`` int64
     ``[n, G]`` is the step row of each of their tokens, -1 for tokens stored in
-    an earlier step (read from the block's residual before it is overwritten).
+    an earlier step (read from the group's slot before the store).
     """
 
     resid_rows: torch.Tensor
@@ -256,20 +332,28 @@ class KiviStorePlan:
     resid_row: torch.Tensor
     group_block: torch.Tensor
     group_index: torch.Tensor  # group within the block
+    group_slot: torch.Tensor  # its float16 slot
     group_src: torch.Tensor
 
     @classmethod
     def build(cls, slot_mapping: torch.Tensor, lay: KiviLayout) -> KiviStorePlan:
         sm = slot_mapping.long()
         g, bs = lay.group_size, lay.block_size
+        period = lay.ring_groups * g  # a slot is reused this many tokens later
         n = int(sm.shape[0])
         valid = sm >= 0
+        off = sm.remainder(bs)
         superseded = torch.zeros(n, dtype=torch.bool, device=sm.device)
-        if n > g:
-            # Rows of one sequence are consecutive: row i + G is the same block row
-            # exactly when its slot is slot_i + G inside the same block.
-            later = sm[g:]
-            superseded[:-g] = valid[:-g] & (later == sm[:-g] + g) & (later // bs == sm[:-g] // bs)
+        if n > period:
+            # Rows of one sequence are consecutive: row i + period reuses row i's
+            # slot row exactly when its slot is slot_i + period in the same block
+            # (and, with sinks, row i is not in the block's first group).
+            later = sm[period:]
+            head = sm[:-period]
+            same = valid[:-period] & (later == head + period) & (later // bs == head // bs)
+            if lay.sink:
+                same &= off[:-period] >= g
+            superseded[:-period] = same
         rows = torch.nonzero(valid & ~superseded).squeeze(1)
         done = torch.nonzero(valid & (sm % g == g - 1)).squeeze(1)
         last = sm[done]
@@ -277,12 +361,14 @@ class KiviStorePlan:
         src = done[:, None] - (g - 1) + offs
         want = last[:, None] - (g - 1) + offs
         ok = (src >= 0) & (sm[src.clamp(min=0)] == want)
+        gidx = (last % bs) // g
         return cls(
             resid_rows=rows,
             resid_block=sm[rows] // bs,
-            resid_row=sm[rows] % g,
+            resid_row=lay.resid_row(off[rows]),
             group_block=last // bs,
-            group_index=(last % bs) // g,
+            group_index=gidx,
+            group_slot=lay.slot_of_group(gidx),
             group_src=torch.where(ok, src, -1),
         )
 
@@ -297,8 +383,8 @@ def kivi_store(
 ) -> None:
     """Store a step's new keys/values ``[T, H, D]`` into KIVI caches (views
     ``ks``/``vs``, see module doc): complete groups are quantized (from this
-    step's rows and the block's residual rows of earlier steps), then the
-    residual rows are written."""
+    step's rows and the group's float16 slot for tokens of earlier steps),
+    then the float16 rows are written."""
     k16, v16 = k.to(torch.float16), v.to(torch.float16)
     g = lay.group_size
     ng = int(plan.group_block.shape[0])
@@ -306,18 +392,19 @@ def kivi_store(
         src = plan.group_src
         have = (src >= 0)[:, :, None, None]
         take = src.clamp(min=0)
-        gk = torch.where(have, k16[take], ks.resid[plan.group_block])  # [ng, G, H, D]
-        gv = torch.where(have, v16[take], vs.resid[plan.group_block])
+        slot_rows = plan.group_slot[:, None] * g + torch.arange(g, device=src.device)
+        gblk = plan.group_block[:, None].expand(ng, g)
+        gk = torch.where(have, k16[take], ks.resid[gblk, slot_rows])  # [ng, G, H, D]
+        gv = torch.where(have, v16[take], vs.resid[gblk, slot_rows])
         codes, scale, zero = quantize_key_groups(gk, lay)
         tok = plan.group_index[:, None] * g + torch.arange(g, device=src.device)  # [ng, G]
-        blk = plan.group_block[:, None].expand(ng, g)
-        ks.codes.index_put_((blk, tok), codes)
+        ks.codes.index_put_((gblk, tok), codes)
         ks.scale.index_put_((plan.group_block, plan.group_index), scale)
         ks.zero.index_put_((plan.group_block, plan.group_index), zero)
         vcodes, vscale, vzero = quantize_value_groups(gv, lay)
-        vs.codes.index_put_((blk, tok), vcodes)
-        vs.scale.index_put_((blk, tok), vscale)
-        vs.zero.index_put_((blk, tok), vzero)
+        vs.codes.index_put_((gblk, tok), vcodes)
+        vs.scale.index_put_((gblk, tok), vscale)
+        vs.zero.index_put_((gblk, tok), vzero)
     rows = plan.resid_rows
     if rows.numel():
         ks.resid.index_put_((plan.resid_block, plan.resid_row), k16[rows])
@@ -325,6 +412,19 @@ def kivi_store(
 
 
 # ---------------------------------------------------------------- the reference
+
+
+def read_mask(
+    qpos: torch.Tensor, kpos: torch.Tensor, lay: KiviLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float16, quantized) boolean masks ``[nq, nk]``: which keys at positions
+    ``kpos`` the queries at ``qpos`` read at float16 and which from codes."""
+    g, m = lay.group_size, lay.ring_groups
+    wstart = ((qpos // g - m + 1) * g).clamp(min=0)[:, None]
+    t = kpos[None, :]
+    causal = t <= qpos[:, None]
+    fp = causal & ((t >= wstart) | (t < lay.sink_tokens))
+    return fp, causal & ~fp
 
 
 def kivi_attention_ref(
@@ -343,44 +443,47 @@ def kivi_attention_ref(
     """Causal attention of one sequence's new tokens over a KIVI cache (reference).
 
     ``q`` ``[n, Hq, D]``, ``k_new``/``v_new`` ``[n, H, D]`` are the tokens at
-    positions ``seq_len - n .. seq_len - 1``, already stored (the complete
-    groups' codes are read from the cache views ``ks``/``vs``). ``blocks``: the sequence's block
-    ids (int64). ``k_tail_old``/``v_tail_old`` ``[G, H, D]`` float16: the residual
-    rows of the block holding position ``ctx = seq_len - n`` *as they were
-    before the store* (only rows ``< ctx % G`` are read). Returns ``[n, Hq, D]``
-    in ``q``'s dtype, computed in float32. Per-sequence dequantization of the
-    sequence's own blocks (the reference, not a fast path).
+    positions ``ctx = seq_len - n .. seq_len - 1``, already stored (complete
+    groups' codes and the sink rows are read from the cache views
+    ``ks``/``vs``). ``blocks``: the sequence's block ids (int64).
+    ``k_tail_old``/``v_tail_old`` ``[ctx - w0, H, D]`` float16, ``w0 =
+    lay.window_start(ctx)``: the float16 rows of positions ``[w0, ctx)`` *as
+    they were before the store* (:func:`window_rows`; the store may reuse
+    their slots). Returns ``[n, Hq, D]`` in ``q``'s dtype, computed in
+    float32. Per-sequence dequantization of the sequence's own blocks (the
+    reference, not a fast path).
     """
-    g, bs = lay.group_size, lay.block_size
+    bs = lay.block_size
     n = int(q.shape[0])
     ctx = seq_len - n
-    t0 = (ctx // g) * g  # first float16 position any query reads
-    nq = ((seq_len - 1) // g) * g  # quantized positions any query reads: [0, nq)
-    fp_k = torch.cat([k_tail_old[: ctx - t0].float(), k_new.to(torch.float16).float()])
-    fp_v = torch.cat([v_tail_old[: ctx - t0].float(), v_new.to(torch.float16).float()])
+    w0 = lay.window_start(ctx)
+    nq = lay.window_start(seq_len - 1)  # quantized positions any query reads: [0, nq)
+    if k_tail_old.shape[0] != ctx - w0:
+        raise ValueError(f"the tail must be the {ctx - w0} float16 rows before the step")
+    dev = q.device
+    fp_k = torch.cat([k_tail_old.float(), k_new.to(torch.float16).float()])
+    fp_v = torch.cat([v_tail_old.float(), v_new.to(torch.float16).float()])
+    qpos = torch.arange(ctx, seq_len, device=dev)
+    parts_k, parts_v, masks = [], [], []
     if nq:
         nblk = -(-nq // bs)
-        dq_k = dequantize_blocks(ks, blocks[:nblk], lay, True)[:nq]
-        dq_v = dequantize_blocks(vs, blocks[:nblk], lay, False)[:nq]
-        kk, vv = torch.cat([dq_k, fp_k]), torch.cat([dq_v, fp_v])
-    else:
-        kk, vv = fp_k, fp_v
-    qpos = torch.arange(ctx, seq_len, device=q.device)
-    gstart = (qpos // g) * g
-    kq = torch.arange(nq, device=q.device)
-    kf = torch.arange(t0, seq_len, device=q.device)
-    mask = torch.cat(
-        [
-            kq[None, :] < gstart[:, None],
-            (kf[None, :] >= gstart[:, None]) & (kf[None, :] <= qpos[:, None]),
-        ],
-        dim=1,
-    )
+        parts_k.append(dequantize_blocks(ks, blocks[:nblk], lay, True)[:nq])
+        parts_v.append(dequantize_blocks(vs, blocks[:nblk], lay, False)[:nq])
+        masks.append(read_mask(qpos, torch.arange(nq, device=dev), lay)[1])
+    sink = min(lay.sink_tokens, w0)  # sinks before the window (the window has the rest)
+    if sink:
+        parts_k.append(window_rows(ks, blocks, 0, sink, lay).float())
+        parts_v.append(window_rows(vs, blocks, 0, sink, lay).float())
+        masks.append(read_mask(qpos, torch.arange(sink, device=dev), lay)[0])
+    parts_k.append(fp_k)
+    parts_v.append(fp_v)
+    fmask = read_mask(qpos, torch.arange(w0, seq_len, device=dev), lay)[0]
+    masks.append(fmask)
     o = F.scaled_dot_product_attention(
         q.float().transpose(0, 1).unsqueeze(0),
-        kk.transpose(0, 1).unsqueeze(0),
-        vv.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
+        torch.cat(parts_k).transpose(0, 1).unsqueeze(0),
+        torch.cat(parts_v).transpose(0, 1).unsqueeze(0),
+        attn_mask=torch.cat(masks, dim=1),
         scale=scale,
         enable_gqa=True,
     )
@@ -396,17 +499,23 @@ def kivi_attention_dense_ref(
     ctx: int,
 ) -> torch.Tensor:
     """The KIVI read rule from scratch, on a whole sequence's float16 keys/values
-    ``[L, H, D]`` (no cache, no pages): every query ``p >= ctx`` reads the
-    groups before its own quantized-dequantized and its own group as is. The
-    independent reference the paged paths are tested against."""
+    ``[L, H, D]`` (no cache, no pages): every query ``p >= ctx`` reads keys
+    outside its float16 window and sinks quantized-dequantized, the others as
+    is. The independent reference the paged paths are tested against."""
     g = lay.group_size
     seq_len = int(k_fp16.shape[0])
     full = (seq_len // g) * g
     kq = k_fp16[:full].reshape(full // g, g, *k_fp16.shape[1:])
     codes, s, z = quantize_key_groups(kq, lay)
-    dk = unpack_codes(codes, lay.bits).float() * s.float()[:, None] + z.float()[:, None]
+    # Dequantized keys/values of every complete group; the tokens of an
+    # incomplete group are always in their own queries' window.
+    dk = torch.zeros(seq_len, *k_fp16.shape[1:])
+    dk[:full] = (
+        unpack_codes(codes, lay.bits).float() * s.float()[:, None] + z.float()[:, None]
+    ).flatten(0, 1)
     vcodes, vs_, vz = quantize_value_groups(v_fp16[:full], lay)
-    dv = (
+    dv = torch.zeros(seq_len, *v_fp16.shape[1:])
+    dv[:full] = (
         unpack_codes(vcodes, lay.bits)
         .float()
         .reshape(*vcodes.shape[:-1], lay.head_dim // lay.value_group, lay.value_group)
@@ -415,9 +524,14 @@ def kivi_attention_dense_ref(
     ).flatten(-2)
     outs = []
     for p in range(ctx, seq_len):
-        gs = (p // g) * g
-        kk = torch.cat([dk.flatten(0, 1)[:gs], k_fp16[gs : p + 1].float()])
-        vv = torch.cat([dv[:gs], v_fp16[gs : p + 1].float()])
+        w = lay.window_start(p)
+        keep = torch.arange(p + 1)
+        fp = (keep >= w) | (keep < lay.sink_tokens)
+        kk = k_fp16[: p + 1].float().clone()
+        vv = v_fp16[: p + 1].float().clone()
+        qd = ~fp
+        kk[qd] = dk[: p + 1][qd]
+        vv[qd] = dv[: p + 1][qd]
         o = F.scaled_dot_product_attention(
             q[p - ctx].float()[:, None, :].unsqueeze(0),
             kk.transpose(0, 1).unsqueeze(0),

@@ -3,11 +3,12 @@
 Same contract as ``kernels.kivi.kivi_attention_ref`` for every sequence of a
 flattened batch (decodes and extends alike; the new tokens are stored first,
 by ``kernels.kivi.kivi_store``): the query at position ``p`` reads the groups
-before its own from codes, dequantized in registers (``code * scale + zero``),
-and its own group at float16: the step's own new rows (rounded to float16, as
-stored) and, for positions before the step, the residual rows of the
-sequence's first new block as they were before the store (``tails``: a
-chunk's store may overwrite them with a later group). One program per
+outside its float16 window and sinks from codes, dequantized in registers
+(``code * scale + zero``), and the others at float16: the step's own new rows
+(rounded to float16, as stored); for window positions before the step, the
+sequence's window rows as they were before the store (``tails``: a chunk's
+store may reuse their slots); sink positions before the window from their
+slot in the cache (never reused). One program per
 (new token, kv head) serves every q head of the kv head (grouped-query
 attention), streaming keys in tiles of ``BLOCK_N`` with an online softmax.
 
@@ -45,10 +46,13 @@ def _kivi_attn_kernel(  # type: ignore[no-untyped-def]
     query_start_loc_ptr,
     tok_seq_ptr,
     qk_scale,
-    side,
+    kside,
+    vside,
     scale_off,
-    zero_off,
-    resid_off,
+    kzero_off,
+    vzero_off,
+    kresid_off,
+    vresid_off,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -63,6 +67,9 @@ def _kivi_attn_kernel(  # type: ignore[no-untyped-def]
     G: tl.constexpr,
     GV: tl.constexpr,
     BITS: tl.constexpr,
+    RING: tl.constexpr,
+    SINK: tl.constexpr,
+    R: tl.constexpr,
 ):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -72,7 +79,9 @@ def _kivi_attn_kernel(  # type: ignore[no-untyped-def]
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
     p = ctx + (t - q_start)  # this token's position
-    gs = (p // G) * G  # first float16 position it reads
+    ws = tl.maximum((p // G - RING + 1) * G, 0)  # this token's window start
+    w0 = tl.maximum((ctx // G - RING + 1) * G, 0)  # the step's first window start
+    S = G if SINK else 0
 
     h = tl.arange(0, BLOCK_H)
     h_ok = h < GROUP
@@ -93,13 +102,21 @@ def _kivi_attn_kernel(  # type: ignore[no-untyped-def]
     for start in range(0, p + 1, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         ok = kpos <= p
-        quant = ok & (kpos < gs)
-        resid = ok & (kpos >= gs)
+        quant = ok & (kpos < ws) & (kpos >= S)
+        resid = ok & ~quant
         blk = tl.load(block_tables_ptr + seq * stride_bt + kpos // BS, mask=ok, other=0)
         blk = blk.to(tl.int64)
         off = kpos % BS
-        base8 = blk * side
-        base16 = blk * (side // 2)
+        base8 = blk * kside
+        base16 = blk * (kside // 2)
+        vbase8 = blk * vside
+        vbase16 = blk * (vside // 2)
+        gj = off // G
+        if SINK:
+            slot = tl.where(gj == 0, 0, 1 + (gj - 1) % RING)
+        else:
+            slot = gj % RING
+        rrow = slot * G + off % G  # the float16 row (KiviLayout.resid_row)
         # Codes: channel c of token kpos at byte c // PER, bits (c % PER) * BITS.
         code_at = base8[:, None] + ((off * HKV + kvh) * DP)[:, None] + (d // PER)[None, :]
         shift = ((d % PER) * BITS)[None, :]
@@ -108,15 +125,21 @@ def _kivi_attn_kernel(  # type: ignore[no-untyped-def]
         gi = off // G
         kp = base16[:, None] + (((gi * HKV + kvh) * HEAD_DIM)[:, None] + d[None, :])
         ks = tl.load(k16_ptr + kp + scale_off // 2, mask=qm, other=0.0).to(tl.float32)
-        kz = tl.load(k16_ptr + kp + zero_off // 2, mask=qm, other=0.0).to(tl.float32)
-        # Float16 rows: this step's (position >= ctx) or the pre-store tail.
+        kz = tl.load(k16_ptr + kp + kzero_off // 2, mask=qm, other=0.0).to(tl.float32)
+        # Float16 rows: this step's (position >= ctx), the pre-store window
+        # tail ([w0, ctx)) or a sink row of the cache (before w0).
         new = resid & (kpos >= ctx)
-        old = resid & (kpos < ctx)
+        old = resid & (kpos < ctx) & (kpos >= w0)
+        snk = resid & (kpos < w0)
         n_at = ((q_start + kpos - ctx) * HKV + kvh)[:, None] * HEAD_DIM + d[None, :]
-        t_at = ((seq * G + kpos % G) * HKV + kvh)[:, None] * HEAD_DIM + d[None, :]
-        nm, om = new[:, None], old[:, None]
+        t_at = ((seq * R + kpos - w0) * HKV + kvh)[:, None] * HEAD_DIM + d[None, :]
+        s_at = ((rrow * HKV + kvh) * HEAD_DIM)[:, None] + d[None, :]
+        nm, om, sm = new[:, None], old[:, None], snk[:, None]
         kr = tl.load(kn_ptr + n_at, mask=nm, other=0.0).to(tl.float32)
         kr += tl.load(kt_ptr + t_at, mask=om, other=0.0).to(tl.float32)
+        kr += tl.load(k16_ptr + base16[:, None] + kresid_off // 2 + s_at, mask=sm, other=0.0).to(
+            tl.float32
+        )
         k = tl.where(qm, kc.to(tl.float32) * ks + kz, kr)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(ok[None, :], s, -1.0e30)
@@ -125,12 +148,16 @@ def _kivi_attn_kernel(  # type: ignore[no-untyped-def]
         pexp = tl.exp2(s - m_new[:, None])
         pexp = tl.where(ok[None, :], pexp, 0.0)
         l_i = l_i * alpha + tl.sum(pexp, axis=1)
-        vc = (tl.load(v8_ptr + code_at, mask=qm, other=0).to(tl.int32) >> shift) & MASK
-        vp = base16[:, None] + (((off * HKV + kvh) * NGV)[:, None] + (d // GV)[None, :])
+        vcode_at = vbase8[:, None] + ((off * HKV + kvh) * DP)[:, None] + (d // PER)[None, :]
+        vc = (tl.load(v8_ptr + vcode_at, mask=qm, other=0).to(tl.int32) >> shift) & MASK
+        vp = vbase16[:, None] + (((off * HKV + kvh) * NGV)[:, None] + (d // GV)[None, :])
         vs = tl.load(v16_ptr + vp + scale_off // 2, mask=qm, other=0.0).to(tl.float32)
-        vz = tl.load(v16_ptr + vp + zero_off // 2, mask=qm, other=0.0).to(tl.float32)
+        vz = tl.load(v16_ptr + vp + vzero_off // 2, mask=qm, other=0.0).to(tl.float32)
         vr = tl.load(vn_ptr + n_at, mask=nm, other=0.0).to(tl.float32)
         vr += tl.load(vt_ptr + t_at, mask=om, other=0.0).to(tl.float32)
+        vr += tl.load(v16_ptr + vbase16[:, None] + vresid_off // 2 + s_at, mask=sm, other=0.0).to(
+            tl.float32
+        )
         v = tl.where(qm, vc.to(tl.float32) * vs + vz, vr)
         acc = acc * alpha[:, None] + tl.sum(pexp[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
@@ -160,9 +187,11 @@ def kivi_paged_attention(
     """``[T, Hq, D]`` attention of every new token over KIVI caches (``uint8
     [num_blocks, side_nbytes]``, the step's complete groups already stored).
     ``k_new``/``v_new`` ``[T, Hkv, D]``: the step's keys/values;
-    ``k_tails``/``v_tails`` float16 ``[B, G, Hkv, D]``: per sequence, the
-    residual rows of the block holding its first new position, read before
-    the store; ``token_seq`` int32 ``[T]``: the sequence of each row of ``q``."""
+    ``k_tails``/``v_tails`` float16 ``[B, lay.residual_length, Hkv, D]``: per
+    sequence, row ``r`` the float16 row of position ``w0 + r`` (``w0 =
+    lay.window_start(ctx)``, for positions before ``ctx``), read before the
+    store (``kernels.kivi.window_rows``); ``token_seq`` int32 ``[T]``: the
+    sequence of each row of ``q``."""
     t_rows, hq, d = q.shape
     if d != lay.head_dim or d & (d - 1) or hq % lay.num_kv_heads:
         raise ValueError("kivi_paged_attention needs a power-of-two head size matching the layout")
@@ -188,10 +217,13 @@ def kivi_paged_attention(
         query_start_loc,
         token_seq,
         scale * _LOG2E,
-        lay.side_nbytes,
-        lay.scale_offset,
-        lay.zero_offset,
-        lay.resid_offset,
+        lay.k.nbytes,
+        lay.v.nbytes,
+        lay.k.scale_offset,
+        lay.k.zero_offset,
+        lay.v.zero_offset,
+        lay.k.resid_offset,
+        lay.v.resid_offset,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -206,5 +238,8 @@ def kivi_paged_attention(
         G=lay.group_size,
         GV=lay.value_group,
         BITS=lay.bits,
+        RING=lay.ring_groups,
+        SINK=lay.sink,
+        R=lay.residual_length,
     )
     return out

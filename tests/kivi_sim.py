@@ -55,8 +55,8 @@ class KiviSim:
                     blocks=blocks,
                 )
             )
-        sim.k_cache = torch.zeros(need + 3, lay.side_nbytes, dtype=torch.uint8)
-        sim.v_cache = torch.zeros(need + 3, lay.side_nbytes, dtype=torch.uint8)
+        sim.k_cache = torch.zeros(need + 3, lay.k.nbytes, dtype=torch.uint8)
+        sim.v_cache = torch.zeros(need + 3, lay.v.nbytes, dtype=torch.uint8)
         return sim
 
     def step(

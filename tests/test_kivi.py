@@ -28,8 +28,22 @@ from tests.kivi_sim import KiviSim
 SCALE = 0.25
 
 
-def layout(bits: int, group: int = 4, block: int = 8, heads: int = 2, dim: int = 16) -> KiviLayout:
-    return KiviLayout(bits, group, min(group, dim), block, heads, dim)
+def layout(
+    bits: int,
+    group: int = 4,
+    block: int = 8,
+    heads: int = 2,
+    dim: int = 16,
+    ring: int = 1,
+    sink: bool = False,
+) -> KiviLayout:
+    return KiviLayout(bits, group, min(group, dim), block, heads, dim, ring, sink)
+
+
+# Float16 windows: the query's own group only; three groups (reaching back into
+# the previous block); one group plus sinks; two groups plus sinks (every
+# slot of a 16-token block of groups of 4 but one).
+WINDOWS = [(1, False), (3, False), (1, True), (2, True)]
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -113,15 +127,18 @@ PLAN = [
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-def test_torch_reference_paged_matches_dense(bits: int) -> None:
-    sim = KiviSim.make(layout(bits), num_heads=4, lengths=[40, 40, 40, 40])
+@pytest.mark.parametrize(("ring", "sink"), WINDOWS)
+def test_torch_reference_paged_matches_dense(bits: int, ring: int, sink: bool) -> None:
+    block = 8 if ring + sink <= 2 else 16
+    sim = KiviSim.make(layout(bits, block=block, ring=ring, sink=sink), 4, [40, 40, 40, 40])
     _run(TorchAttentionBackend(), sim, PLAN)
 
 
-def test_full_block_bytes_do_not_depend_on_chunking() -> None:
+@pytest.mark.parametrize(("ring", "sink"), WINDOWS)
+def test_full_block_bytes_do_not_depend_on_chunking(ring: int, sink: bool) -> None:
     """A full block's bytes are the same whether its tokens came one by one or
     in chunks (what makes hashed blocks shareable and immutable)."""
-    lay = layout(4)
+    lay = layout(4, block=8 if ring + sink <= 2 else 16, ring=ring, sink=sink)
     a = KiviSim.make(lay, 2, [16], seed=3)
     b = KiviSim.make(lay, 2, [16], seed=3)
     for _ in range(16):
@@ -161,8 +178,9 @@ def portable_kernels(tmp_path_factory: pytest.TempPathFactory) -> object:
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("which", ["kernels", "portable_kernels"])
 @pytest.mark.parametrize("dim", [16, 64])
+@pytest.mark.parametrize(("ring", "sink"), WINDOWS)
 def test_native_decode_matches_dense(
-    bits: int, which: str, dim: int, request: pytest.FixtureRequest
+    bits: int, which: str, dim: int, ring: int, sink: bool, request: pytest.FixtureRequest
 ) -> None:
     """The native backend (C decodes, torch extends) on mixed steps, GQA 4:2,
     against the from-scratch reference; head size 64 also runs the vector
@@ -170,16 +188,29 @@ def test_native_decode_matches_dense(
     from engine.attention.cpu_backend import CpuNativeAttentionBackend
 
     backend = CpuNativeAttentionBackend(request.getfixturevalue(which))
-    sim = KiviSim.make(layout(bits, dim=dim), num_heads=4, lengths=[40, 40, 40, 40], seed=bits)
+    block = 8 if ring + sink <= 2 else 16
+    lay = layout(bits, block=block, dim=dim, ring=ring, sink=sink)
+    sim = KiviSim.make(lay, num_heads=4, lengths=[40, 40, 40, 40], seed=bits)
     _run(backend, sim, PLAN)
 
 
 def test_native_decode_split_k_long_context(kernels: object) -> None:
     """One long sequence (split across threads) and a short one, 2-bit, groups
     of 32 in 64-token blocks (the engine's shapes), decoding past a group end."""
-    from engine.attention.cpu_backend import CpuNativeAttentionBackend
 
     lay = KiviLayout(2, 32, 32, 64, 1, 64)
+    _split_k(kernels, lay)
+
+
+def test_native_decode_split_k_window_and_sinks(kernels: object) -> None:
+    """The same with the engine's kivi2 window: groups of 8, a window of four
+    groups and the sink group in 64-token blocks."""
+    _split_k(kernels, KiviLayout(2, 8, 32, 64, 1, 64, ring_groups=4, sink=True))
+
+
+def _split_k(kernels: object, lay: KiviLayout) -> None:
+    from engine.attention.cpu_backend import CpuNativeAttentionBackend
+
     sim = KiviSim.make(lay, num_heads=3, lengths=[400, 40], seed=7)
     plan = [[(0, 300), (1, 30)]] + [[(0, 1), (1, 1)] for _ in range(4)]
     plan += [[(0, 60)]] + [[(0, 1), (1, 1)] for _ in range(3)]
@@ -201,8 +232,11 @@ class _TritonAsBackend(TorchAttentionBackend):
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-def test_triton_kivi_matches_dense(bits: int) -> None:
+@pytest.mark.parametrize(("ring", "sink"), WINDOWS)
+def test_triton_kivi_matches_dense(bits: int, ring: int, sink: bool) -> None:
     """The Triton kernel (under TRITON_INTERPRET=1 on the CPU) on mixed steps, GQA."""
     pytest.importorskip("triton")
-    sim = KiviSim.make(layout(bits), num_heads=4, lengths=[40, 40, 40, 40], seed=11 + bits)
+    block = 8 if ring + sink <= 2 else 16
+    lay = layout(bits, block=block, ring=ring, sink=sink)
+    sim = KiviSim.make(lay, num_heads=4, lengths=[40, 40, 40, 40], seed=11 + bits)
     _run(_TritonAsBackend(), sim, PLAN[:4])

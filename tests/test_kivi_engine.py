@@ -36,11 +36,19 @@ def _engine(tiny: Path, **kw: Any) -> LLMEngine:
     ("kw", "match"),
     [
         ({"kv_cache_dtype": "kivi4"}, "--block-size a multiple of --kivi-group-size 32"),
-        ({"kv_cache_dtype": "kivi2", "block_size": 64, "kivi_residual_length": 48}, "multiple"),
+        ({"kv_cache_dtype": "kivi2", "block_size": 64, "kivi_residual_length": 20}, "multiple"),
+        # kivi2's defaults: groups of 8, a window of 32 and the sink group: 40 tokens.
+        ({"kv_cache_dtype": "kivi2", "block_size": 32}, "holding the float16 window"),
         (
-            {"kv_cache_dtype": "kivi4", "block_size": 64, "kivi_residual_length": 64},
-            "only one group",
+            {
+                "kv_cache_dtype": "kivi4",
+                "block_size": 64,
+                "kivi_residual_length": 64,
+                "kivi_sink_tokens": 32,
+            },
+            "at least 96",
         ),
+        ({"kv_cache_dtype": "kivi2", "block_size": 64, "kivi_sink_tokens": 3}, "0 or the group"),
         ({"kv_low_rank_keys": 8}, "--kv-low-rank-keys is not built"),
         ({"kv_cache_dtype": "kivi4", "block_size": 64, "kv_policy": "h2o"}, "not built"),
         (
@@ -58,35 +66,47 @@ def test_config_refuses_bad_kivi_settings(kw: dict[str, Any], match: str) -> Non
         EngineConfig(**kw)
 
 
-def test_engine_refuses_kivi_it_cannot_run(tiny: Path) -> None:
-    # Value groups of 12 channels do not divide the tiny model's head size (16).
-    with pytest.raises(ValueError, match=r"kivi4.*head size 16"):
-        _engine(tiny, kv_cache_dtype="kivi4", block_size=24, kivi_group_size=12)
+def test_format_refuses_a_head_size_it_cannot_pack() -> None:
+    # 2-bit codes pack four channels to a byte: a head size of 18 does not.
+    with pytest.raises(ValueError, match="head size 18"):
+        KiviKVFormat(2, 16, 1, 18, bits=2, group_size=8)
 
 
 # The default model's KV shapes (SmolLM2-135M: 30 layers, 3 kv heads, head size 64).
 SMOL = dict(num_layers=30, num_kv_heads=3, head_dim=64)
 
 
-@pytest.mark.parametrize(("bits", "ratio"), [(4, 4.0), (2, 6.0)])
-def test_capacity_ratio_against_float32(bits: int, ratio: float) -> None:
-    """At block size 256 and groups of 32, the issue's capacity targets hold."""
-    f32 = PlainKVFormat(block_size=256, dtype=torch.float32, **SMOL)  # type: ignore[arg-type]
-    kivi = KiviKVFormat(block_size=256, bits=bits, group_size=32, **SMOL)  # type: ignore[arg-type]
+@pytest.mark.parametrize(("dtype", "ratio"), [("kivi4", 4.0), ("kivi2", 6.0)])
+def test_capacity_ratio_against_float32(dtype: str, ratio: float) -> None:
+    """At block size 1024 with each format's default window, the issue's
+    capacity targets hold."""
+    cfg = EngineConfig(kv_cache_dtype=dtype, block_size=1024)  # type: ignore[arg-type]
+    group, ring, sink = cfg.kivi_window
+    bits = 4 if dtype == "kivi4" else 2
+    f32 = PlainKVFormat(block_size=1024, dtype=torch.float32, **SMOL)  # type: ignore[arg-type]
+    kivi = KiviKVFormat(
+        block_size=1024, bits=bits, group_size=group, ring_groups=ring, sink=sink, **SMOL
+    )  # type: ignore[arg-type]
     got = f32.block_nbytes / kivi.block_nbytes
     assert got >= ratio, got
     # Bytes per token: codes (bits/8 per element, K and V), float16 scale and zero
-    # (per 32 tokens for K, per 32 channels for V), and the float16 residual group.
+    # (per group of tokens for K, per 32 channels for V), and the float16 slots.
     elems = SMOL["num_layers"] * SMOL["num_kv_heads"] * SMOL["head_dim"]
-    want = elems * (2 * bits / 8 + 2 * 4 / 32 + 2 * 2 * 32 / 256)
+    slots = ring + int(sink)
+    want = elems * (2 * bits / 8 + 4 / group + 4 / 32 + 2 * 2 * slots * group / 1024)
     assert kivi.bytes_per_token == pytest.approx(want, rel=1e-3)
 
 
 def test_engine_reports_capacity_and_cache_config(tiny: Path) -> None:
     mem = 4 << 20
-    plain = _engine(tiny, kv_cache_dtype="float32", block_size=64, kv_cache_memory=mem)
+    plain = _engine(tiny, kv_cache_dtype="float32", block_size=256, kv_cache_memory=mem)
     kivi = _engine(
-        tiny, kv_cache_dtype="kivi2", block_size=64, kivi_group_size=16, kv_cache_memory=mem
+        tiny,
+        kv_cache_dtype="kivi2",
+        block_size=256,
+        kivi_group_size=16,
+        kivi_residual_length=16,
+        kv_cache_memory=mem,
     )
     fmt = kivi.runner.kv_format
     assert isinstance(fmt, KiviKVFormat)
@@ -94,7 +114,7 @@ def test_engine_reports_capacity_and_cache_config(tiny: Path) -> None:
     ratio = kivi.info.num_blocks / plain.info.num_blocks
     assert ratio == pytest.approx(plain.runner.kv_format.block_nbytes / fmt.block_nbytes, rel=0.05)
     assert ratio > 3.0  # head size 16: value scales per 16 channels cost more than at 64
-    assert f"kv_tokens={kivi.info.num_blocks * 64}" in kivi.describe()
+    assert f"kv_tokens={kivi.info.num_blocks * 256}" in kivi.describe()
     info = kivi.info.cache_config()
     assert info["cache_dtype"] == "kivi2" and info["num_gpu_blocks"] == str(kivi.info.num_blocks)
     assert kivi.info.execution()["kv_cache_dtype"] == "kivi2"
@@ -102,7 +122,7 @@ def test_engine_reports_capacity_and_cache_config(tiny: Path) -> None:
     m.set_cache_config(info)
     text = m.render()[0].decode()
     line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
-    assert f'num_gpu_blocks="{kivi.info.num_blocks}"' in line and 'block_size="64"' in line
+    assert f'num_gpu_blocks="{kivi.info.num_blocks}"' in line and 'block_size="256"' in line
     assert line.endswith(" 1.0")
 
 
@@ -123,5 +143,32 @@ def test_kivi_block_bytes_round_trip(tiny: Path) -> None:
         assert torch.equal(ka[ids], kb[torch.tensor([0, 5, 3])])
         assert torch.equal(va[ids], vb[torch.tensor([0, 5, 3])])
     assert fmt.describe() != KiviKVFormat(3, 16, 2, 16, bits=2, group_size=8).describe()
+    windowed = KiviKVFormat(3, 16, 2, 16, bits=4, group_size=4, ring_groups=2, sink=True)
+    assert windowed.describe() != KiviKVFormat(3, 16, 2, 16, bits=4, group_size=4).describe()
+    # Key and value rows differ in size (key scales per group, value scales per
+    # token); a block's bytes still round-trip.
+    lay = windowed.layout
+    assert lay.k.nbytes != lay.v.nbytes
+    c, d = windowed.allocate(4, torch.device("cpu")), windowed.allocate(4, torch.device("cpu"))
+    for kc, vc in c:
+        kc.copy_(torch.randint(0, 256, kc.shape, generator=gen, dtype=torch.uint8))
+        vc.copy_(torch.randint(0, 256, vc.shape, generator=gen, dtype=torch.uint8))
+        assert kc.is_contiguous() and vc.is_contiguous()
+    windowed.write_blocks(d, torch.tensor([2, 0]), windowed.read_blocks(c, torch.tensor([1, 3])))
+    for (kc, vc), (kd, vd) in zip(c, d):
+        assert torch.equal(kc[[1, 3]], kd[[2, 0]]) and torch.equal(vc[[1, 3]], vd[[2, 0]])
     with pytest.raises(ValueError, match="re-rotated"):
         fmt.rerotate_keys(a, ids, torch.zeros(3, 16), torch.zeros(3, 16), torch.zeros(4, 16))
+
+
+def test_partial_prefix_hits_only_with_a_one_group_window(tiny: Path) -> None:
+    """A window of several groups would read a copied block's slots, which hold
+    the other sequence's last groups: such layouts take whole-block hits only."""
+    one = _engine(
+        tiny, kv_cache_dtype="kivi2", block_size=16, kivi_group_size=4, kivi_residual_length=4
+    )
+    wide = _engine(
+        tiny, kv_cache_dtype="kivi2", block_size=16, kivi_group_size=4, kivi_residual_length=8
+    )
+    assert one.kv.partial_granularity == 4
+    assert wide.kv.partial_granularity == 0

@@ -26,6 +26,7 @@ from kernels.kivi import (
     kivi_attention_ref,
     kivi_store,
     side_views,
+    window_rows,
 )
 
 # Query rows per attention call of a chunk that follows cached context (see
@@ -72,11 +73,8 @@ class StepPlan:
     nblk: int = 0
     mask: torch.Tensor | None = None
     lengths_checked: bool = False  # native kernel: seq_lens bounds checked this step
-    # KIVI caches (meta.kv_layout): where the step's tokens are stored, and per
-    # sequence the block holding its first new position (its residual rows are
-    # read before the store overwrites them).
+    # KIVI caches (meta.kv_layout): where the step's tokens are stored.
     kivi: KiviStorePlan | None = None
-    tail_blocks: torch.Tensor | None = None
     _keep: torch.Tensor | None = None
     _keep_known: bool = False
 
@@ -185,17 +183,23 @@ class TorchAttentionBackend(AttentionBackend):
         plan = self._step_plan(meta, lay.block_size)
         if plan.kivi is None:
             plan.kivi = KiviStorePlan.build(meta.slot_mapping, lay)
-            ctx = [s - n for s, n in zip(meta.seq_lens_cpu, meta.query_lens_cpu)]
-            rows = torch.arange(meta.num_seqs, device=meta.block_tables.device)
-            cols = torch.tensor([c // lay.block_size for c in ctx], device=rows.device)
-            plan.tail_blocks = meta.block_tables[rows, cols].long()
-        assert plan.tail_blocks is not None
         nd = meta.num_decodes
-        # Residual rows of each extend sequence's first block, before the store.
-        tails = plan.tail_blocks[nd:]
         ks, vs = self.kivi_views(k_cache, lay, True), self.kivi_views(v_cache, lay, False)
-        k_tail = ks.resid.index_select(0, tails) if meta.num_seqs > nd else ks.resid[:0]
-        v_tail = vs.resid.index_select(0, tails) if meta.num_seqs > nd else vs.resid[:0]
+        # Each extend sequence's float16 window rows before its first new
+        # position, read before the store (it may reuse their slots).
+        tails = []
+        for i in range(nd, meta.num_seqs):
+            seq_len, n = meta.seq_lens_cpu[i], meta.query_lens_cpu[i]
+            ctx = seq_len - n
+            blocks = self._kivi_blocks(meta, i, seq_len, lay)
+            w0 = lay.window_start(ctx)
+            tails.append(
+                (
+                    blocks,
+                    window_rows(ks, blocks, w0, ctx, lay),
+                    window_rows(vs, blocks, w0, ctx, lay),
+                )
+            )
         kivi_store(k, v, ks, vs, plan.kivi, lay)
         out = torch.empty_like(q)
         if nd:
@@ -203,21 +207,27 @@ class TorchAttentionBackend(AttentionBackend):
         starts = meta.query_start_loc_cpu
         for i in range(nd, meta.num_seqs):
             s, e = starts[i], starts[i + 1]
-            seq_len = meta.seq_lens_cpu[i]
+            blocks, k_tail, v_tail = tails[i - nd]
             out[s:e] = kivi_attention_ref(
                 q[s:e],
                 k[s:e],
                 v[s:e],
                 ks,
                 vs,
-                meta.block_tables[i, : -(-seq_len // lay.block_size)].long(),
-                seq_len,
-                k_tail[i - nd],
-                v_tail[i - nd],
+                blocks,
+                meta.seq_lens_cpu[i],
+                k_tail,
+                v_tail,
                 lay,
                 scale,
             )
         return out
+
+    @staticmethod
+    def _kivi_blocks(
+        meta: AttentionMetadata, i: int, seq_len: int, lay: KiviLayout
+    ) -> torch.Tensor:
+        return meta.block_tables[i, : -(-seq_len // lay.block_size)].long()
 
     def _kivi_decode(
         self,
@@ -230,27 +240,28 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         """Decodes over KIVI caches after the store: the per-sequence reference.
-        A decode's residual rows before its own are unchanged by its store, so
-        the stored rows serve as the pre-store tail; its own k/v are read back
-        from the residual (row ``ctx % G``), exactly as stored."""
-        assert plan.tail_blocks is not None
+        A decode's store reuses only the slot row of a token ``m`` groups back,
+        outside its window, so the stored float16 rows serve as the pre-store
+        window; its own k/v are read back from its row, exactly as stored."""
         ks, vs = self.kivi_views(k_cache, lay, True), self.kivi_views(v_cache, lay, False)
         out = torch.empty_like(q)
-        g = lay.group_size
         for i in range(q.shape[0]):
             seq_len = meta.seq_lens_cpu[i]
-            blk = plan.tail_blocks[i]
-            row = (seq_len - 1) % g
+            ctx = seq_len - 1
+            blocks = self._kivi_blocks(meta, i, seq_len, lay)
+            w0 = lay.window_start(ctx)
+            kw = window_rows(ks, blocks, w0, seq_len, lay)
+            vw = window_rows(vs, blocks, w0, seq_len, lay)
             out[i : i + 1] = kivi_attention_ref(
                 q[i : i + 1],
-                ks.resid[blk, row : row + 1],
-                vs.resid[blk, row : row + 1],
+                kw[-1:],
+                vw[-1:],
                 ks,
                 vs,
-                meta.block_tables[i, : -(-seq_len // lay.block_size)].long(),
+                blocks,
                 seq_len,
-                ks.resid[blk],
-                vs.resid[blk],
+                kw[:-1],
+                vw[:-1],
                 lay,
                 scale,
             )

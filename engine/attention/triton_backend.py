@@ -30,7 +30,7 @@ class TritonAttentionBackend(AttentionBackend):
         # caches' views. The KIVI path has host syncs (the store plan): the
         # runner does not capture KIVI steps in CUDA graphs.
         self._kivi_step: (
-            tuple[AttentionMetadata, KiviStorePlan, torch.Tensor, torch.Tensor] | None
+            tuple[AttentionMetadata, KiviStorePlan, torch.Tensor, torch.Tensor, torch.Tensor] | None
         ) = None
         self._kivi_views: dict[int, tuple[torch.Tensor, KiviSide]] = {}
 
@@ -61,14 +61,26 @@ class TritonAttentionBackend(AttentionBackend):
             rows = torch.repeat_interleave(
                 torch.arange(meta.num_seqs, device=q.device, dtype=torch.int32), qlens
             )
-            # The block holding each sequence's first new position.
+            # Where each sequence's window rows before its first new position
+            # are: row r is position w0 + r (rows at or past ctx are never read;
+            # clamped to a position the sequence has).
             ctx = meta.seq_lens.long() - qlens
-            tails = meta.block_tables.gather(1, (ctx // lay.block_size)[:, None]).squeeze(1)
-            step = (meta, KiviStorePlan.build(meta.slot_mapping, lay), rows, tails.long())
+            g, bs = lay.group_size, lay.block_size
+            w0 = ((ctx // g - lay.ring_groups + 1) * g).clamp(min=0)
+            pos = w0[:, None] + torch.arange(lay.residual_length, device=q.device)
+            pos = torch.minimum(pos, (ctx - 1).clamp(min=0)[:, None])
+            blk = meta.block_tables.gather(1, pos // bs).long()
+            step = (
+                meta,
+                KiviStorePlan.build(meta.slot_mapping, lay),
+                rows,
+                blk,
+                lay.resid_row(pos % bs),
+            )
             self._kivi_step = step
         ks, vs = self._views(k_cache, lay, True), self._views(v_cache, lay, False)
-        k_tails = ks.resid.index_select(0, step[3])
-        v_tails = vs.resid.index_select(0, step[3])
+        k_tails = ks.resid[step[3], step[4]]
+        v_tails = vs.resid[step[3], step[4]]
         kivi_store(k, v, ks, vs, step[1], lay)
         return kivi_paged_attention(
             q,

@@ -1,36 +1,44 @@
 """The KIVI 2-/4-bit KV format: quantized blocks in the same pool as any other.
 
-Each layer's cache is a pair of ``uint8 [num_blocks, side_nbytes]`` tensors
-(keys, values); a row is one block's packed codes, float16 scales/zero points
-and float16 residual rows, laid out as ``kernels.kivi`` describes (where the
-store, the read rule and the torch reference live). Because a block is still
-one row per side per layer, block copies for the tiers are the plain format's
-row gathers on bytes, and a block's bytes round-trip bit for bit.
+Each layer's cache is a pair of ``uint8`` tensors, keys ``[num_blocks,
+layout.k.nbytes]`` and values ``[num_blocks, layout.v.nbytes]`` (the sides
+differ: keys carry scales per channel per group, values per channel group per
+token); a row is one block's packed codes, float16 scales/zero points and
+float16 slot rows, laid out as ``kernels.kivi`` describes (where the store,
+the read rule and the torch reference live). A block's bytes (what the tiers
+move) are, per layer, its key row then its value row; they round-trip bit for
+bit.
 
 Who owns what: the block pool owns block ids exactly as for plain formats;
-each block owns its own residual rows (its current group at float16) and its
-quantized groups. A full block is fully quantized and never written again, so
-prefix hashing and sharing are unchanged.
+each block owns its quantized groups and the float16 rows of its slots. A
+full block is fully quantized and never written again, so prefix hashing and
+sharing are unchanged.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-from engine.kv.format import LayerCaches, PlainKVFormat
+from engine.kv.format import KVFormat, LayerCaches, _cpu_rows
 from kernels.kivi import KiviLayout
 
 
-class KiviKVFormat(PlainKVFormat):
+class KiviKVFormat(KVFormat):
     """KIVI blocks: keys per channel over groups of ``group_size`` tokens, values
-    per token over groups of channels, ``bits`` (2 or 4) per element.
+    per token over groups of channels, ``bits`` (2 or 4) per element, a float16
+    window of ``ring_groups`` groups and optionally the sink group.
 
     Raises (at construction): ValueError for a group size that does not divide
-    the block size, or a head size the value groups or the packing do not divide.
+    the block size, a window that does not fit in a block, or a head size the
+    value groups or the packing do not divide.
     """
 
     name = "kivi"
+    # v2: float16 slots (window ring and sinks), key and value rows of their own sizes.
+    layout_version = 2
 
     def __init__(
         self,
@@ -40,33 +48,95 @@ class KiviKVFormat(PlainKVFormat):
         head_dim: int,
         bits: int,
         group_size: int,
+        ring_groups: int = 1,
+        sink: bool = False,
     ) -> None:
-        # The plain format's byte-row copies, over uint8 rows of side_nbytes.
-        super().__init__(num_layers, block_size, num_kv_heads, head_dim, torch.uint8)
+        super().__init__(num_layers, block_size, num_kv_heads, head_dim)
         self.layout = KiviLayout(
             bits=bits,
             group_size=group_size,
-            value_group=min(group_size, head_dim),
+            # Values per token in groups of 32 channels (what divides the head size).
+            value_group=math.gcd(32, head_dim),
             block_size=block_size,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+            ring_groups=ring_groups,
+            sink=sink,
         )
-        self._block_elems = self.layout.side_nbytes
+        self._kn = self.layout.k.nbytes
+        self._vn = self.layout.v.nbytes
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.num_layers * (self._kn + self._vn)
 
     def allocate(self, num_blocks: int, device: torch.device) -> LayerCaches:
-        n = self.layout.side_nbytes
+        kn, vn = self._kn, self._vn
         if device.type == "cpu":
-            # One calloc'd buffer for every layer (see zeroed_layer_caches: pages
-            # become resident only when written).
-            whole = torch.from_numpy(np.zeros((self.num_layers, 2, num_blocks, n), dtype=np.uint8))
-            return [(whole[i, 0], whole[i, 1]) for i in range(self.num_layers)]
+            # One calloc'd buffer per side for every layer (see zeroed_layer_caches:
+            # pages become resident only when written); each layer's rows contiguous.
+            wk = torch.from_numpy(np.zeros((self.num_layers, num_blocks, kn), dtype=np.uint8))
+            wv = torch.from_numpy(np.zeros((self.num_layers, num_blocks, vn), dtype=np.uint8))
+            return [(wk[i], wv[i]) for i in range(self.num_layers)]
         return [
             (
-                torch.zeros((num_blocks, n), dtype=torch.uint8, device=device),
-                torch.zeros((num_blocks, n), dtype=torch.uint8, device=device),
+                torch.zeros((num_blocks, kn), dtype=torch.uint8, device=device),
+                torch.zeros((num_blocks, vn), dtype=torch.uint8, device=device),
             )
             for _ in range(self.num_layers)
         ]
+
+    def _check(self, caches: LayerCaches) -> None:
+        if len(caches) != self.num_layers:
+            raise ValueError(f"got {len(caches)} layer caches, format has {self.num_layers}")
+
+    def read_blocks(
+        self, caches: LayerCaches, block_ids: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        self._check(caches)
+        n = int(block_ids.shape[0])
+        device = caches[0][0].device
+        if out is None:
+            out = torch.empty((n, self.block_nbytes), dtype=torch.uint8, device=device)
+        elif out.dtype != torch.uint8 or tuple(out.shape) != (n, self.block_nbytes):
+            raise ValueError(f"out must be uint8 [{n}, {self.block_nbytes}]")
+        kn = self._kn
+        if device.type == "cpu":
+            o = out.numpy().reshape(n, self.num_layers, -1)
+            ids = block_ids.numpy()
+            for layer, (k_cache, v_cache) in enumerate(caches):
+                o[:, layer, :kn] = _cpu_rows(k_cache)[ids]
+                o[:, layer, kn:] = _cpu_rows(v_cache)[ids]
+            return out
+        o_t = out.view(n, self.num_layers, -1)
+        for layer, (k_cache, v_cache) in enumerate(caches):
+            o_t[:, layer, :kn] = k_cache.index_select(0, block_ids)
+            o_t[:, layer, kn:] = v_cache.index_select(0, block_ids)
+        return out
+
+    def write_blocks(
+        self, caches: LayerCaches, block_ids: torch.Tensor, data: torch.Tensor
+    ) -> None:
+        self._check(caches)
+        n = int(block_ids.shape[0])
+        if data.dtype != torch.uint8 or tuple(data.shape) != (n, self.block_nbytes):
+            raise ValueError(
+                f"block data must be uint8 [{n}, {self.block_nbytes}], got "
+                f"{data.dtype} {tuple(data.shape)}"
+            )
+        data = data.contiguous()
+        kn = self._kn
+        if data.device.type == "cpu":
+            d = data.numpy().reshape(n, self.num_layers, -1)
+            ids = block_ids.numpy()
+            for layer, (k_cache, v_cache) in enumerate(caches):
+                _cpu_rows(k_cache)[ids] = d[:, layer, :kn]
+                _cpu_rows(v_cache)[ids] = d[:, layer, kn:]
+            return
+        d_t = data.view(n, self.num_layers, -1)
+        for layer, (k_cache, v_cache) in enumerate(caches):
+            k_cache.index_copy_(0, block_ids, d_t[:, layer, :kn].contiguous())
+            v_cache.index_copy_(0, block_ids, d_t[:, layer, kn:].contiguous())
 
     def attention_layout(self) -> KiviLayout:
         return self.layout
@@ -76,6 +146,7 @@ class KiviKVFormat(PlainKVFormat):
         return (
             f"{self.name}{lay.bits}/v{self.layout_version}/L{self.num_layers}/bs{self.block_size}"
             f"/h{self.num_kv_heads}/d{self.head_dim}/g{lay.group_size}/gv{lay.value_group}"
+            f"/w{lay.ring_groups}/s{int(lay.sink)}"
         )
 
     def rerotate_keys(

@@ -8,17 +8,21 @@
  * cache is copied out.
  *
  * A sequence of n tokens (its query at position n - 1) reads tokens
- * [0, gs) from codes, gs = G * ((n - 1) / G), and [gs, n) from the float16
- * residual rows of its last block (row t - gs). Keys are quantized per channel
+ * [sink, ws) from codes, ws = max(0, G * ((n - 1) / G - m + 1)) (the window
+ * start of kernels/kivi.py, m = ring groups), and the others, [0, sink) and
+ * [ws, n), from the float16 slot rows of their own blocks (resid_row). After
+ * the decode's own store every one of those rows is current: the store only
+ * reused the row of the token m groups back. Keys are quantized per channel
  * over a group, so for a group the score is
  *     q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c z_c,
  * with q * s and q . z computed once per group and query head; values are
  * quantized per token over channel groups, dequantized one row at a time (all
  * query heads of a kv head share it).
  *
- * Layouts (C-contiguous): q, out [nd, hq, d] fp32; k_cache, v_cache uint8
- * [num_blocks, side] (row = one block: codes at 0, scale at scale_off, zero at
- * zero_off, residual at resid_off, as in kernels/kivi.py); block_tables int32
+ * Layouts (C-contiguous): q, out [nd, hq, d] fp32; k_cache uint8 [num_blocks,
+ * kside], v_cache uint8 [num_blocks, vside] (row = one block: codes at 0, then
+ * per side the scale, zero and float16 slot offsets of kernels/kivi.py's
+ * KiviSideLayout; scales share one offset); block_tables int32
  * [nd, bt_stride]; seq_lens int32 [nd], each >= 1.
  */
 #include <math.h>
@@ -36,8 +40,17 @@
 
 typedef struct {
     const uint8_t *k, *v;
-    int64_t hkv, d, bs, group, vgroup, bits, side, scale_off, zero_off, resid_off;
+    int64_t hkv, d, bs, group, vgroup, bits, ring, sink;
+    int64_t kside, vside, scale_off, kzero_off, vzero_off, kresid_off, vresid_off;
 } kivi_cache;
+
+/* float16 row of the token at offset o of its block (KiviLayout.resid_row). */
+static inline int64_t resid_row(const kivi_cache *kc, int64_t o)
+{
+    const int64_t j = o / kc->group;
+    const int64_t slot = kc->sink ? (j == 0 ? 0 : 1 + (j - 1) % kc->ring) : j % kc->ring;
+    return slot * kc->group + o % kc->group;
+}
 
 /* d codes of one packed row (channel c at bits (c % per) * bits of byte c / per) as floats. */
 static inline void unpack_row(const uint8_t *p, int64_t d, int64_t bits, float *out)
@@ -128,20 +141,21 @@ static int kivi_range(const kivi_cache *kc, const float *q, const int32_t *bt, i
 {
     const int64_t hkv = kc->hkv, d = kc->d, bs = kc->bs, G = kc->group, g = hq / hkv;
     const int64_t dp = d * kc->bits / 8, len = t1 - t0;
-    const int64_t gs = G * ((n - 1) / G); /* first float16 position */
-    const int64_t last_blk = bt[(n - 1) / bs];
+    const int64_t w = (n - 1) / G - kc->ring + 1;
+    const int64_t ws = w > 0 ? G * w : 0; /* the window's first position */
+    const int64_t sink = kc->sink ? G : 0;
     if (scratch_fit(s, hq * len) != 0) return -1;
     float *sc = s->scores;
     for (int64_t j = 0; j < hq; ++j) mx[j] = -INFINITY;
     /* Pass 1: scores. */
     for (int64_t t = t0; t < t1;) {
         const int64_t blk = bt[t / bs];
-        const uint8_t *kb = kc->k + blk * kc->side;
-        if (t < gs) { /* a quantized group: [t, end) */
+        const uint8_t *kb = kc->k + blk * kc->kside;
+        if (t >= sink && t < ws) { /* a quantized group: [t, end) */
             const int64_t gi = (t % bs) / G, end = (t / G + 1) * G < t1 ? (t / G + 1) * G : t1;
             for (int64_t h = 0; h < hkv; ++h) {
                 const uint16_t *sp = (const uint16_t *)(kb + kc->scale_off) + (gi * hkv + h) * d;
-                const uint16_t *zp = (const uint16_t *)(kb + kc->zero_off) + (gi * hkv + h) * d;
+                const uint16_t *zp = (const uint16_t *)(kb + kc->kzero_off) + (gi * hkv + h) * d;
                 half_row(sp, d, s->row);
                 half_row(zp, d, s->vrow);
                 for (int64_t jj = 0; jj < g; ++jj) {
@@ -161,10 +175,11 @@ static int kivi_range(const kivi_cache *kc, const float *q, const int32_t *bt, i
                 }
             }
             t = end;
-        } else { /* float16 residual rows of the last block */
-            const uint16_t *rp = (const uint16_t *)(kc->k + last_blk * kc->side + kc->resid_off);
+        } else { /* a float16 row of the token's own block */
+            const uint16_t *rp = (const uint16_t *)(kb + kc->kresid_off);
+            const int64_t row = resid_row(kc, t % bs);
             for (int64_t h = 0; h < hkv; ++h) {
-                half_row(rp + ((t - gs) * hkv + h) * d, d, s->row);
+                half_row(rp + (row * hkv + h) * d, d, s->row);
                 for (int64_t jj = 0; jj < g; ++jj) {
                     const int64_t j = h * g + jj;
                     const float v = dotf(q + j * d, s->row, d) * scale;
@@ -197,11 +212,11 @@ static int kivi_range(const kivi_cache *kc, const float *q, const int32_t *bt, i
     const int64_t vg = kc->vgroup, ng = d / vg;
     for (int64_t t = t0; t < t1; ++t) {
         for (int64_t h = 0; h < hkv; ++h) {
-            if (t < gs) {
-                const uint8_t *vb = kc->v + bt[t / bs] * kc->side;
+            const uint8_t *vb = kc->v + bt[t / bs] * kc->vside;
+            if (t >= sink && t < ws) {
                 const int64_t at = ((t % bs) * hkv + h);
                 const uint16_t *sp = (const uint16_t *)(vb + kc->scale_off) + at * ng;
-                const uint16_t *zp = (const uint16_t *)(vb + kc->zero_off) + at * ng;
+                const uint16_t *zp = (const uint16_t *)(vb + kc->vzero_off) + at * ng;
                 unpack_row(vb + at * dp, d, kc->bits, s->vrow);
                 for (int64_t k = 0; k < ng; ++k) {
                     const float sk = h2f(sp[k]), zk = h2f(zp[k]);
@@ -209,9 +224,8 @@ static int kivi_range(const kivi_cache *kc, const float *q, const int32_t *bt, i
                     for (int64_t c = 0; c < vg; ++c) r[c] = r[c] * sk + zk;
                 }
             } else {
-                const uint16_t *rp =
-                    (const uint16_t *)(kc->v + last_blk * kc->side + kc->resid_off);
-                half_row(rp + ((t - gs) * hkv + h) * d, d, s->vrow);
+                const uint16_t *rp = (const uint16_t *)(vb + kc->vresid_off);
+                half_row(rp + (resid_row(kc, t % bs) * hkv + h) * d, d, s->vrow);
             }
             for (int64_t jj = 0; jj < g; ++jj) {
                 const int64_t j = h * g + jj;
@@ -227,15 +241,17 @@ int fuel_kivi_decode_attention_f32(const float *q, const uint8_t *k_cache, const
                                    const int32_t *block_tables, int64_t bt_stride,
                                    const int32_t *seq_lens, float *out, int64_t nd, int64_t hq,
                                    int64_t hkv, int64_t d, int64_t bs, int64_t group,
-                                   int64_t vgroup, int64_t bits, int64_t side, int64_t scale_off,
-                                   int64_t zero_off, int64_t resid_off, float scale,
-                                   int num_threads)
+                                   int64_t vgroup, int64_t bits, int64_t ring, int64_t sink,
+                                   int64_t kside, int64_t vside, int64_t scale_off,
+                                   int64_t kzero_off, int64_t vzero_off, int64_t kresid_off,
+                                   int64_t vresid_off, float scale, int num_threads)
 {
     if ((bits != 2 && bits != 4) || hkv < 1 || hq % hkv || bs % group || d % vgroup ||
-        d % (8 / bits))
+        d % (8 / bits) || ring < 1 || (ring + (sink != 0)) * group > bs)
         return -2;
-    const kivi_cache kc = {k_cache, v_cache, hkv, d, bs, group, vgroup, bits, side,
-                           scale_off, zero_off, resid_off};
+    const kivi_cache kc = {k_cache, v_cache, hkv,  d,         bs,        group,      vgroup,
+                           bits,    ring,    sink != 0, kside, vside, scale_off, kzero_off,
+                           vzero_off, kresid_off, vresid_off};
     int64_t max_len = 0;
     for (int64_t i = 0; i < nd; ++i) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
     /* Split-K as in cpu_attention.c: few long sequences use every thread. */
