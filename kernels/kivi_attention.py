@@ -185,7 +185,7 @@ def kivi_paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """``[T, Hq, D]`` attention of every new token over KIVI caches (``uint8
-    [num_blocks, side_nbytes]``, the step's complete groups already stored).
+    [num_blocks, lay.k.nbytes]`` / ``lay.v.nbytes``, the step already stored).
     ``k_new``/``v_new`` ``[T, Hkv, D]``: the step's keys/values;
     ``k_tails``/``v_tails`` float16 ``[B, lay.residual_length, Hkv, D]``: per
     sequence, row ``r`` the float16 row of position ``w0 + r`` (``w0 =

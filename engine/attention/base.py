@@ -16,9 +16,9 @@ KV cache layout, per layer: ``k_cache`` and ``v_cache`` of shape
 ``block_id * block_size + offset``.
 
 Quantized KV formats (``meta.kv_layout`` set, e.g. KIVI, kernels/kivi.py):
-``k_cache``/``v_cache`` are ``uint8 [num_blocks, side_nbytes]``, each row one
-block's packed codes, float16 scales/zero points and float16 residual rows, as
-the layout describes. A backend reads them through that layout (the runner
+``k_cache``/``v_cache`` are ``uint8 [num_blocks, layout.k.nbytes]`` and
+``[num_blocks, layout.v.nbytes]``, each row one block's packed codes, float16
+scales/zero points and float16 slot rows, as the layout describes. A backend reads them through that layout (the runner
 sets it from the KV format every step), so neither the scheduler nor the model
 branches on the format; a backend that cannot read a layout refuses it.
 """
