@@ -90,6 +90,38 @@ def test_layout_refuses_bad_shapes() -> None:
         KiviLayout(4, 32, 32, 16, 2, 64)
     with pytest.raises(ValueError, match="bits"):
         KiviLayout(3, 4, 4, 8, 2, 16)
+    # Four window groups of 8 and the sink group take 40 rows: not in 32.
+    with pytest.raises(ValueError, match="must fit in a block"):
+        KiviLayout(2, 8, 32, 32, 1, 64, ring_groups=4, sink=True)
+
+
+def test_window_and_sinks_read_float16_where_the_rule_says() -> None:
+    """The read rule itself: a wider window or sinks change exactly the keys read
+    at float16 (a query's output moves towards the float16 answer), and the
+    slot of each group is where the module doc says."""
+    gen = torch.Generator().manual_seed(5)
+    n, g = 24, 4
+    k = (torch.randn(n, 2, 16, generator=gen) * 3).half()
+    v = torch.randn(n, 2, 16, generator=gen).half()
+    q = torch.randn(1, 4, 16, generator=gen)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(1, 4, 1, 16),  # [batch, q heads, one query, head size]
+        k.float().transpose(0, 1).unsqueeze(0),
+        v.float().transpose(0, 1).unsqueeze(0),
+        scale=SCALE,
+        enable_gqa=True,
+    ).reshape(1, 4, 16)
+    errs = {}
+    for ring, sink in [(1, False), (3, False), (1, True), (6, False)]:
+        lay = KiviLayout(2, g, g, 32, 2, 16, ring_groups=ring, sink=sink)
+        out = kivi_attention_dense_ref(q, k, v, lay, SCALE, n - 1)
+        errs[(ring, sink)] = float((out - exact).abs().max())
+    # The whole sequence in the window: nothing is quantized.
+    assert errs[(6, False)] < 1e-5
+    assert errs[(3, False)] < errs[(1, False)] and errs[(1, True)] < errs[(1, False)]
+    lay = KiviLayout(2, g, g, 32, 2, 16, ring_groups=3, sink=True)
+    assert lay.slot_of_group(torch.arange(8)).tolist() == [0, 1, 2, 3, 1, 2, 3, 1]
+    assert lay.window_start(23) == 12 and lay.window_start(7) == 0
 
 
 def _run(backend: TorchAttentionBackend, sim: KiviSim, plan: list[list[tuple[int, int]]]) -> None:
