@@ -193,6 +193,21 @@ class KiviLayout:
         """Bytes of one block of one layer, both sides."""
         return self.k.nbytes + self.v.nbytes
 
+    def kernel_offsets(self) -> tuple[int, int, int, int, int, int, int]:
+        """The byte sizes and offsets the native and Triton kernels take, in their
+        order: key row, value row, scales (both sides), key zeros, value zeros,
+        key slots, value slots."""
+        k, v = self.k, self.v
+        return (
+            k.nbytes,
+            v.nbytes,
+            k.scale_offset,
+            k.zero_offset,
+            v.zero_offset,
+            k.resid_offset,
+            v.resid_offset,
+        )
+
 
 @dataclass
 class KiviSide:

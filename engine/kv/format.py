@@ -96,6 +96,37 @@ class KVFormat(ABC):
         the model uses. In place, every layer.
         """
 
+    def _check(self, caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if len(caches) != self.num_layers:
+            raise ValueError(f"got {len(caches)} layer caches, format has {self.num_layers}")
+
+    def _read_buffer(
+        self, caches: LayerCaches, block_ids: torch.Tensor, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``out`` checked, or a new ``[n, block_nbytes]`` uint8 buffer (read_blocks)."""
+        self._check(caches)
+        n = int(block_ids.shape[0])
+        if out is None:
+            return torch.empty(
+                (n, self.block_nbytes), dtype=torch.uint8, device=caches[0][0].device
+            )
+        if out.dtype != torch.uint8 or tuple(out.shape) != (n, self.block_nbytes):
+            raise ValueError(f"out must be uint8 [{n}, {self.block_nbytes}]")
+        return out
+
+    def _write_data(
+        self, caches: LayerCaches, block_ids: torch.Tensor, data: torch.Tensor
+    ) -> torch.Tensor:
+        """``data`` checked and contiguous (write_blocks)."""
+        self._check(caches)
+        n = int(block_ids.shape[0])
+        if data.dtype != torch.uint8 or tuple(data.shape) != (n, self.block_nbytes):
+            raise ValueError(
+                f"block data must be uint8 [{n}, {self.block_nbytes}], got "
+                f"{data.dtype} {tuple(data.shape)}"
+            )
+        return data.contiguous()
+
     def copy_blocks(self, caches: LayerCaches, sources: torch.Tensor, dests: torch.Tensor) -> None:
         """Copy whole blocks ``sources`` onto ``dests`` (int64, caches' device), every
         layer: a gather of the sources' bytes, then a scatter (partial prefix hits)."""
@@ -165,21 +196,12 @@ class PlainKVFormat(KVFormat):
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return zeroed_layer_caches(self.num_layers, shape, self.dtype, device)
 
-    def _check(self, caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if len(caches) != self.num_layers:
-            raise ValueError(f"got {len(caches)} layer caches, format has {self.num_layers}")
-
     def read_blocks(
         self, caches: LayerCaches, block_ids: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        self._check(caches)
+        out = self._read_buffer(caches, block_ids, out)
         n = int(block_ids.shape[0])
-        device = caches[0][0].device
-        if out is None:
-            out = torch.empty((n, self.block_nbytes), dtype=torch.uint8, device=device)
-        elif out.dtype != torch.uint8 or tuple(out.shape) != (n, self.block_nbytes):
-            raise ValueError(f"out must be uint8 [{n}, {self.block_nbytes}]")
-        if device.type == "cpu":
+        if out.device.type == "cpu":
             o = out.numpy().reshape(n, self.num_layers, 2, -1)
             ids = block_ids.numpy()
             for layer, (k_cache, v_cache) in enumerate(caches):
@@ -196,14 +218,8 @@ class PlainKVFormat(KVFormat):
     def write_blocks(
         self, caches: LayerCaches, block_ids: torch.Tensor, data: torch.Tensor
     ) -> None:
-        self._check(caches)
+        data = self._write_data(caches, block_ids, data)
         n = int(block_ids.shape[0])
-        if data.dtype != torch.uint8 or tuple(data.shape) != (n, self.block_nbytes):
-            raise ValueError(
-                f"block data must be uint8 [{n}, {self.block_nbytes}], got "
-                f"{data.dtype} {tuple(data.shape)}"
-            )
-        data = data.contiguous()
         if data.device.type == "cpu":
             d = data.numpy().reshape(n, self.num_layers, 2, -1)
             ids = block_ids.numpy()

@@ -86,22 +86,13 @@ class KiviKVFormat(KVFormat):
             for _ in range(self.num_layers)
         ]
 
-    def _check(self, caches: LayerCaches) -> None:
-        if len(caches) != self.num_layers:
-            raise ValueError(f"got {len(caches)} layer caches, format has {self.num_layers}")
-
     def read_blocks(
         self, caches: LayerCaches, block_ids: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        self._check(caches)
+        out = self._read_buffer(caches, block_ids, out)
         n = int(block_ids.shape[0])
-        device = caches[0][0].device
-        if out is None:
-            out = torch.empty((n, self.block_nbytes), dtype=torch.uint8, device=device)
-        elif out.dtype != torch.uint8 or tuple(out.shape) != (n, self.block_nbytes):
-            raise ValueError(f"out must be uint8 [{n}, {self.block_nbytes}]")
         kn = self._kn
-        if device.type == "cpu":
+        if out.device.type == "cpu":
             o = out.numpy().reshape(n, self.num_layers, -1)
             ids = block_ids.numpy()
             for layer, (k_cache, v_cache) in enumerate(caches):
@@ -117,14 +108,8 @@ class KiviKVFormat(KVFormat):
     def write_blocks(
         self, caches: LayerCaches, block_ids: torch.Tensor, data: torch.Tensor
     ) -> None:
-        self._check(caches)
+        data = self._write_data(caches, block_ids, data)
         n = int(block_ids.shape[0])
-        if data.dtype != torch.uint8 or tuple(data.shape) != (n, self.block_nbytes):
-            raise ValueError(
-                f"block data must be uint8 [{n}, {self.block_nbytes}], got "
-                f"{data.dtype} {tuple(data.shape)}"
-            )
-        data = data.contiguous()
         kn = self._kn
         if data.device.type == "cpu":
             d = data.numpy().reshape(n, self.num_layers, -1)
