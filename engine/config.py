@@ -86,9 +86,23 @@ class EngineConfig:
     )
     kv_low_rank_keys: int | None = setting(
         None,
-        "Store keys in a per-layer, per-head rank-RANK basis (at most the head size). Not "
-        "built yet: refused at start-up.",
+        "Experimental: store keys in a per-layer, per-KV-head rank-RANK basis (1..head size): "
+        "the principal directions of the model's own post-RoPE keys, computed at load from a "
+        "calibration text and cached beside the model (or read from --kv-low-rank-keys-file); "
+        "attention runs in that basis. Key bytes shrink by RANK/head size; values are "
+        "unchanged. Plain KV dtypes only (not KIVI), no --kv-policy, no tensor parallelism; "
+        "attention on the torch path (docs/ARCHITECTURE.md, 'Low-rank keys').",
         minimum=1,
+    )
+    kv_low_rank_keys_file: str | None = setting(
+        None,
+        "Low-rank keys: a key basis file (safetensors with 'vectors' [layers, kv heads, head "
+        "size, head size] and 'energy', as the engine caches them) instead of calibrating.",
+    )
+    kv_low_rank_calibration: str | None = setting(
+        None,
+        "Low-rank keys: the text whose keys the basis is computed from (its first 2,048 "
+        "tokens; default: the MPL-2.0 text shipped in engine/kv/data/).",
     )
     gpu_memory_utilization: float = setting(
         0.9, "Fraction of GPU memory to use (CUDA).", minimum=0.01, maximum=1.0
@@ -312,10 +326,7 @@ class EngineConfig:
 
     def _check_kivi(self) -> None:
         """KIVI settings that need no model (the head size is checked at load)."""
-        if self.kv_low_rank_keys is not None:
-            raise ValueError(
-                "--kv-low-rank-keys is not built yet (issue 16 follow-up); leave it unset"
-            )
+        self._check_low_rank()
         if not self.kv_cache_dtype.startswith("kivi"):
             return
         g, ring, sink = self.kivi_window
@@ -344,6 +355,39 @@ class EngineConfig:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype} with --tensor-parallel-size > 1 or "
                 "a --kv-policy other than full is not built"
+            )
+
+    def _check_low_rank(self) -> None:
+        """Low-rank key settings that need no model (the rank against the head size
+        is checked at load, engine/kv/low_rank.py)."""
+        if self.kv_low_rank_keys is None:
+            if self.kv_low_rank_keys_file is not None or self.kv_low_rank_calibration is not None:
+                raise ValueError(
+                    "--kv-low-rank-keys-file / --kv-low-rank-calibration need --kv-low-rank-keys"
+                )
+            return
+        if self.kv_cache_dtype.startswith("kivi"):
+            # KIVI's layout and kernels give keys and values one head size (per-channel
+            # key scales over head_dim, float16 slot rows of both); a rank-wide key side
+            # is a new layout, not built.
+            raise ValueError(
+                f"--kv-low-rank-keys with --kv-cache-dtype {self.kv_cache_dtype} is not built "
+                "(the KIVI layout stores keys and values at one head size)"
+            )
+        if self.kv_policy != "full":
+            raise ValueError(
+                f"--kv-low-rank-keys with --kv-policy {self.kv_policy}: keys in a low-rank basis "
+                "cannot be re-rotated (RoPE does not commute with the basis)"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--kv-low-rank-keys with --tensor-parallel-size > 1 is not built (the ranks "
+                "would each need their KV heads' share of the basis)"
+            )
+        if self.attention_backend == "triton":
+            raise ValueError(
+                "--kv-low-rank-keys is not in the Triton attention kernels (one head size for "
+                "keys and values); use --attention-backend torch"
             )
 
     @property

@@ -28,9 +28,11 @@ from engine.kv.block_pool import KVBlock
 from engine.kv.builder import build_hierarchy
 from engine.kv.event_publisher import KVEventPublisher, make_publisher
 from engine.kv.events import KVEventBatch, KVEventCollector
+from engine.kv.fingerprint import model_fingerprint
 from engine.kv.format import GroupedKVFormat, KVFormat, PlainKVFormat
 from engine.kv.hierarchy import KVHierarchy
 from engine.kv.kivi_format import KiviKVFormat
+from engine.kv.low_rank import KeyBasis, resolve_key_basis
 from engine.kv.manager import KVCacheManager
 from engine.kv.policies.resolve import KVPolicySpec, policy_unavailable, resolve_policy
 from engine.kv.policies.runtime import KVPolicyRuntime
@@ -165,6 +167,7 @@ class EngineInfo:
     kv_cache_format: str | None = None  # a quantized format's name (kivi4/kivi2)
     kv_bytes_per_token: float = 0.0
     kv_policy: str = "full"
+    kv_key_rank: int | None = None  # --kv-low-rank-keys (None: keys at the head size)
 
     def execution(self) -> dict[str, str]:
         """The execution path, as served in ``/v1/models`` (``fuel`` field) and logged."""
@@ -177,6 +180,7 @@ class EngineInfo:
             "attention": self.attention,
             "decode_step": self.decode_step,
             "kv_policy": self.kv_policy,
+            "kv_key_rank": "full" if self.kv_key_rank is None else str(self.kv_key_rank),
         }
 
     num_host_blocks: int = 0
@@ -254,6 +258,7 @@ class LLMEngine:
         if self.tp is not None:
             model = TensorParallelModel(model, self.tp, mc.vocab_size)
         self.model = model
+        self.key_basis = self._key_basis(path, backend, device, dtype, max_len)
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, device, dtype, backend)
         kv_format = self._kv_format(kv_dtype)
         proposer = self._proposer(path, backend, dtype, device, kv_dtype, max_len)
@@ -290,6 +295,7 @@ class LLMEngine:
                 config.kv_cache_dtype if isinstance(kv_format, KiviKVFormat) else None
             ),
             kv_bytes_per_token=kv_format.bytes_per_token,
+            kv_key_rank=self.key_basis.rank if self.key_basis is not None else None,
             enable_prefix_caching=config.enable_prefix_caching,
         )
         logger.info(
@@ -341,8 +347,15 @@ class LLMEngine:
         # Under tensor parallelism each rank holds the cache of its KV heads only.
         kv_heads = mc.num_key_value_heads // cfg.tensor_parallel_size
         if not name.startswith("kivi"):
+            basis = self.key_basis
             return PlainKVFormat(
-                mc.num_hidden_layers, cfg.block_size, kv_heads, mc.head_dim, kv_dtype
+                mc.num_hidden_layers,
+                cfg.block_size,
+                kv_heads,
+                mc.head_dim,
+                kv_dtype,
+                key_dim=basis.rank if basis is not None else None,
+                key_basis=basis.digest[:16] if basis is not None else None,
             )
         group, ring, sink = cfg.kivi_window
         try:
@@ -358,6 +371,57 @@ class LLMEngine:
             )
         except ValueError as e:
             raise ValueError(f"--kv-cache-dtype {name}: {e}") from e
+
+    def _key_basis(
+        self,
+        path: Path,
+        backend: AttentionBackend,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_len: int,
+    ) -> KeyBasis | None:
+        """``--kv-low-rank-keys``: the key basis (engine/kv/low_rank.py), found
+        before the cache is sized and set on the model's layers; None when off.
+
+        The basis is computed from keys the loaded model produces with the
+        linears it runs (so a Q4_1 model's basis is its own), and cached under a
+        fingerprint of the weights and those numerics."""
+        cfg = self.config
+        if cfg.kv_low_rank_keys is None:
+            return None
+        if backend.name == "triton":
+            raise ValueError(
+                "--kv-low-rank-keys is not in the Triton attention kernels (one head size for "
+                "keys and values); use --attention-backend torch"
+            )
+        if not hasattr(self.model, "set_key_basis"):
+            raise ValueError(
+                f"--kv-low-rank-keys needs a Llama-family model, not {type(self.model)}"
+            )
+        numerics = {
+            "dtype": str(dtype),
+            "device": device.type,
+            "cpu_linear": self.linear_strategy.name,
+        }
+        basis = resolve_key_basis(
+            cfg.kv_low_rank_keys,
+            model=self.model,
+            model_path=path,
+            fingerprint=model_fingerprint(path, numerics),
+            encode=self.tokenizer.encode,
+            device=device,
+            basis_file=cfg.kv_low_rank_keys_file,
+            calibration_file=cfg.kv_low_rank_calibration,
+            max_tokens=max_len,
+        )
+        self.model.set_key_basis([basis.projection(i) for i in range(basis.num_layers)])
+        logger.info(
+            "low-rank keys: rank %d of %d keeps %.1f%% of the calibration keys' energy",
+            basis.rank,
+            basis.head_dim,
+            100 * basis.kept_energy(),
+        )
+        return basis
 
     def _start_tensor_parallel(
         self, path: Path, device: torch.device, dtype: torch.dtype
@@ -506,16 +570,21 @@ class LLMEngine:
         nseq = max(1, min(cfg.max_num_seqs, tokens))
         per = [tokens // nseq + (1 if i < tokens % nseq else 0) for i in range(nseq)]
         blocks_each = [-(-n // cfg.block_size) for n in per]
+        nblocks = sum(blocks_each)
+        key_dim = self.key_basis.rank if self.key_basis is not None else None
+        kvh = mc.num_key_value_heads
+        fmt = PlainKVFormat(mc.num_hidden_layers, cfg.block_size, kvh, mc.head_dim, dtype, key_dim)
         runner = ModelRunner(
             self.model,
             mc.num_hidden_layers,
-            mc.num_key_value_heads,
+            kvh,
             mc.head_dim,
-            sum(blocks_each),
+            nblocks,
             cfg.block_size,
             device,
             dtype,
             cfg.moe_capacity_factor,
+            fmt,
         )
         batch = []
         next_block = 0

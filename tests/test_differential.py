@@ -117,6 +117,10 @@ MODES: dict[str, dict[str, Any]] = {
         "kivi_sink_tokens": 2,
         "block_size": 8,
     },
+    # Low-rank keys (--kv-low-rank-keys): keys stored and attended in a rank-8
+    # basis of the tiny model's 16-wide heads (calibrated at load, cached beside
+    # the checkpoint), plain float32 blocks otherwise. Half the key bytes.
+    "lowrank": {**EXACT, "kv_low_rank_keys": 8},
 }
 # Axes a mode cannot exercise, with the reason (checked elsewhere).
 MODE_SKIPS: dict[str, dict[str, str]] = {
@@ -521,18 +525,26 @@ def reference(model: Model, mode: str) -> list[Answer]:
 KIVI_MODES = frozenset({"kivi4", "kivi2", "kivi2w"})
 
 
-def _kivi_refusal(axis: str) -> str | None:
-    if axis.startswith("spec_"):
-        return "KIVI blocks cannot roll back"
-    if axis == "tp2" or axis.startswith("kv_policy_"):
-        return "a --kv-policy other than full is not built"
+def _refusal(mode: str, axis: str) -> str | None:
+    """The start-up error ``mode`` gives on ``axis`` (None: the axis runs)."""
+    if mode in KIVI_MODES:
+        if axis.startswith("spec_"):
+            return "KIVI blocks cannot roll back"
+        if axis == "tp2" or axis.startswith("kv_policy_"):
+            return "a --kv-policy other than full is not built"
+    if mode == "lowrank":
+        # Stored keys in a basis cannot be re-rotated; TP ranks would need a share of it.
+        if axis == "tp2":
+            return "--kv-low-rank-keys with --tensor-parallel-size > 1 is not built"
+        if axis.startswith("kv_policy_"):
+            return "cannot be re-rotated"
     return None
 
 
 def check_axis(model: Model, mode: str, axis: str) -> None:
     if axis in MODE_SKIPS.get(mode, {}):
         pytest.skip(MODE_SKIPS[mode][axis])
-    refusal = _kivi_refusal(axis) if mode in KIVI_MODES else None
+    refusal = _refusal(mode, axis)
     if refusal is not None:
         with pytest.raises(ValueError, match=refusal):
             AXES[axis].run(model, model.factory(MODES[mode]), [])

@@ -201,6 +201,7 @@ def test_execution_path_resolution(tiny_dirs: dict[str, Path]) -> None:
         "attention": "cpu",
         "decode_step": "per_layer",
         "kv_policy": "full",
+        "kv_key_rank": "full",
     }
     assert "cpu_linear=onednn kv_cache_dtype=float16" in eng.describe()
     exact = tiny_engine(tiny_dirs["llama"], **EXACT)

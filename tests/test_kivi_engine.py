@@ -49,7 +49,6 @@ def _engine(tiny: Path, **kw: Any) -> LLMEngine:
             "at least 96",
         ),
         ({"kv_cache_dtype": "kivi2", "block_size": 64, "kivi_sink_tokens": 3}, "0 or the group"),
-        ({"kv_low_rank_keys": 8}, "--kv-low-rank-keys is not built"),
         ({"kv_cache_dtype": "kivi4", "block_size": 64, "kv_policy": "h2o"}, "not built"),
         (
             {

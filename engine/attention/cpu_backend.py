@@ -69,6 +69,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             meta.num_decodes == meta.num_seqs
             and q.dtype == k.dtype == v.dtype == torch.float32
             and k_cache.dtype in _CACHE_DTYPES
+            and k_cache.shape[-1] == v_cache.shape[-1]  # not low-rank keys: one head size
             and q.device.type == "cpu"
             and q.stride()[1:] == k.stride()[1:] == v.stride()[1:] == (q.shape[2], 1)
             and (nd <= 1 or q.stride(0) == k.stride(0) == v.stride(0))
@@ -101,7 +102,13 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         plan: StepPlan,
         scale: float,
     ) -> torch.Tensor:
-        if q.dtype != torch.float32 or k_cache.dtype not in _CACHE_DTYPES or q.device.type != "cpu":
+        if (
+            q.dtype != torch.float32
+            or k_cache.dtype not in _CACHE_DTYPES
+            or q.device.type != "cpu"
+            # Low-rank keys (narrower than values): the kernel reads one head size.
+            or k_cache.shape[-1] != v_cache.shape[-1]
+        ):
             return super()._decode(q, k_cache, v_cache, meta, plan, scale)
         nd = q.shape[0]
         # Bounds of seq_lens are checked on the step's first layer only: every

@@ -48,9 +48,10 @@ def store_kv(
     ``None`` when every row is written. Computing it is a host sync, so the
     caller does it once per step (``StepPlan``), not once per layer.
     """
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kc = k_cache.view(-1, num_kv_heads, head_dim)
-    vc = v_cache.view(-1, num_kv_heads, head_dim)
+    num_kv_heads = k.shape[1]
+    # Keys may be narrower than values (low-rank keys, engine/kv/low_rank.py).
+    kc = k_cache.view(-1, num_kv_heads, k.shape[2])
+    vc = v_cache.view(-1, num_kv_heads, v.shape[2])
     if keep is not None:
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
@@ -151,7 +152,8 @@ class TorchAttentionBackend(AttentionBackend):
         block_size = k_cache.shape[1]
         plan = self._step_plan(meta, block_size)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.keep_rows())
-        out = torch.empty_like(q)
+        # Values' width: a low-rank key cache is narrower than its values.
+        out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, plan, scale)
@@ -278,14 +280,19 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Attention for the first ``nd = q.shape[0]`` sequences (one new token each)."""
         nd = q.shape[0]
-        block_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        block_size, hkv, d, dv = (
+            k_cache.shape[1],
+            k_cache.shape[2],
+            k_cache.shape[3],
+            v_cache.shape[3],
+        )
         if plan.flat_blocks is None:
             self._gather_plan(plan, block_size)
         assert plan.flat_blocks is not None and plan.mask is not None
         s = plan.nblk * block_size
         # [nd * nblk, bs, Hkv, D] -> [nd, Hkv, S, D]
         kk = k_cache.index_select(0, plan.flat_blocks).view(nd, s, hkv, d).transpose(1, 2)
-        vv = v_cache.index_select(0, plan.flat_blocks).view(nd, s, hkv, d).transpose(1, 2)
+        vv = v_cache.index_select(0, plan.flat_blocks).view(nd, s, hkv, dv).transpose(1, 2)
         # The wider of the two dtypes: a float16 cache under a float32 model is
         # read at float32 (storage precision only), not the query rounded down.
         ct = torch.promote_types(q.dtype, kk.dtype)
@@ -327,9 +334,9 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             nblk = (seq_len + block_size - 1) // block_size
             blocks = meta.block_tables[i, :nblk].long()
-            hkv, d = k_cache.shape[2], k_cache.shape[3]
+            hkv, d, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
             kt = k_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len]
-            vt = v_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len]
+            vt = v_cache.index_select(0, blocks).reshape(-1, hkv, dv)[:seq_len]
             kt = kt.transpose(0, 1).unsqueeze(0)
             vt = vt.transpose(0, 1).unsqueeze(0)
             qpos = torch.arange(ctx, seq_len, device=q.device)

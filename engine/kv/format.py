@@ -28,6 +28,7 @@ Contracts every format keeps:
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -168,9 +169,15 @@ def _cpu_rows(cache: torch.Tensor) -> np.ndarray:
 class PlainKVFormat(KVFormat):
     """Unquantized keys and values in one dtype (float32, float16 or bfloat16).
 
-    A block's bytes are ``[num_layers, 2 (k, v), block_size, num_kv_heads,
-    head_dim]`` elements of ``dtype``, row-major: exactly the block's slices of
-    the per-layer caches, concatenated.
+    A block's bytes are, per layer, its key slice ``[block_size, num_kv_heads,
+    key_dim]`` then its value slice ``[block_size, num_kv_heads, head_dim]``,
+    elements of ``dtype``, row-major: exactly the block's slices of the
+    per-layer caches, concatenated. ``key_dim`` is the head size unless keys
+    are stored in a low-rank basis (``--kv-low-rank-keys``,
+    engine/kv/low_rank.py): then the key cache is ``[num_blocks, block_size,
+    num_kv_heads, rank]``, ``key_basis`` (the basis' digest) is part of
+    ``describe()``, and keys cannot be re-rotated (RoPE does not commute with
+    the basis).
     """
 
     name = "plain"
@@ -182,37 +189,46 @@ class PlainKVFormat(KVFormat):
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        key_dim: int | None = None,
+        key_basis: str | None = None,
     ) -> None:
         super().__init__(num_layers, block_size, num_kv_heads, head_dim)
         self.dtype = dtype
+        self.key_dim = head_dim if key_dim is None else key_dim
+        if not 1 <= self.key_dim <= head_dim:
+            raise ValueError(f"key rows of {self.key_dim} elements for head size {head_dim}")
+        self.key_basis = key_basis
         self._elem = torch.empty((), dtype=dtype).element_size()
-        self._block_elems = block_size * num_kv_heads * head_dim
+        self._k_elems = block_size * num_kv_heads * self.key_dim
+        self._v_elems = block_size * num_kv_heads * head_dim
 
     @property
     def block_nbytes(self) -> int:
-        return 2 * self.num_layers * self._block_elems * self._elem
+        return self.num_layers * (self._k_elems + self._v_elems) * self._elem
 
     def allocate(self, num_blocks: int, device: torch.device) -> LayerCaches:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return zeroed_layer_caches(self.num_layers, shape, self.dtype, device)
+        return zeroed_layer_caches(self.num_layers, shape, self.dtype, device, self.key_dim)
 
     def read_blocks(
         self, caches: LayerCaches, block_ids: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         out = self._read_buffer(caches, block_ids, out)
         n = int(block_ids.shape[0])
+        kb = self._k_elems * self._elem
         if out.device.type == "cpu":
-            o = out.numpy().reshape(n, self.num_layers, 2, -1)
+            o = out.numpy().reshape(n, self.num_layers, -1)
             ids = block_ids.numpy()
             for layer, (k_cache, v_cache) in enumerate(caches):
-                o[:, layer, 0] = _cpu_rows(k_cache)[ids]
-                o[:, layer, 1] = _cpu_rows(v_cache)[ids]
+                o[:, layer, :kb] = _cpu_rows(k_cache)[ids]
+                o[:, layer, kb:] = _cpu_rows(v_cache)[ids]
             return out
         # One gather per layer and side into the block's byte order.
-        o_t = out.view(self.dtype).view(n, self.num_layers, 2, self._block_elems)
+        o_t = out.view(self.dtype).view(n, self.num_layers, self._k_elems + self._v_elems)
+        ke = self._k_elems
         for layer, (k_cache, v_cache) in enumerate(caches):
-            o_t[:, layer, 0] = k_cache.view(k_cache.shape[0], -1).index_select(0, block_ids)
-            o_t[:, layer, 1] = v_cache.view(v_cache.shape[0], -1).index_select(0, block_ids)
+            o_t[:, layer, :ke] = k_cache.view(k_cache.shape[0], -1).index_select(0, block_ids)
+            o_t[:, layer, ke:] = v_cache.view(v_cache.shape[0], -1).index_select(0, block_ids)
         return out
 
     def write_blocks(
@@ -220,20 +236,25 @@ class PlainKVFormat(KVFormat):
     ) -> None:
         data = self._write_data(caches, block_ids, data)
         n = int(block_ids.shape[0])
+        kb = self._k_elems * self._elem
         if data.device.type == "cpu":
-            d = data.numpy().reshape(n, self.num_layers, 2, -1)
+            d = data.numpy().reshape(n, self.num_layers, -1)
             ids = block_ids.numpy()
             for layer, (k_cache, v_cache) in enumerate(caches):
-                _cpu_rows(k_cache)[ids] = d[:, layer, 0]
-                _cpu_rows(v_cache)[ids] = d[:, layer, 1]
+                _cpu_rows(k_cache)[ids] = d[:, layer, :kb]
+                _cpu_rows(v_cache)[ids] = d[:, layer, kb:]
             return
-        elems = data.view(self.dtype).view(n, self.num_layers, 2, self._block_elems)
+        elems = data.view(self.dtype).view(n, self.num_layers, self._k_elems + self._v_elems)
+        ke = self._k_elems
         for layer, (k_cache, v_cache) in enumerate(caches):
-            k_cache.view(k_cache.shape[0], -1).index_copy_(0, block_ids, elems[:, layer, 0])
-            v_cache.view(v_cache.shape[0], -1).index_copy_(0, block_ids, elems[:, layer, 1])
+            k_cache.view(k_cache.shape[0], -1).index_copy_(0, block_ids, elems[:, layer, :ke])
+            v_cache.view(v_cache.shape[0], -1).index_copy_(0, block_ids, elems[:, layer, ke:])
 
     def describe(self) -> str:
-        return f"{super().describe()}/{str(self.dtype).removeprefix('torch.')}"
+        base = f"{super().describe()}/{str(self.dtype).removeprefix('torch.')}"
+        if self.key_dim == self.head_dim and self.key_basis is None:
+            return base
+        return f"{base}/kr{self.key_dim}/{self.key_basis}"
 
     def rerotate_keys(
         self,
@@ -244,6 +265,11 @@ class PlainKVFormat(KVFormat):
         cos_sin: torch.Tensor,
     ) -> None:
         self._check(caches)
+        if self.key_basis is not None:
+            raise ValueError(
+                "keys stored in a low-rank basis cannot be re-rotated (RoPE does not commute "
+                "with the basis)"
+            )
         n = int(block_ids.shape[0])
         bs = self.block_size
         if tuple(old_positions.shape) != (n, bs) or tuple(new_positions.shape) != (n, bs):
@@ -360,9 +386,14 @@ _NUMPY_KV_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 
 
 def zeroed_layer_caches(
-    num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
+    num_layers: int,
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    key_dim: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed ``(k, v)`` caches of ``shape`` per layer.
+    """Zeroed ``(k, v)`` caches of ``shape`` per layer (keys ``key_dim`` wide
+    in their last dimension when given: low-rank keys).
 
     On the CPU all layers share one calloc'd buffer (numpy's zeros): the kernel
     hands back untouched zero pages, resident only once a block is written, so
@@ -370,12 +401,14 @@ def zeroed_layer_caches(
     at start-up (1 GiB resident for the default ``--kv-cache-memory``). Each
     layer's k and v are contiguous views of it.
     """
+    kshape = shape if key_dim is None else (*shape[:3], key_dim)
+    ke, ve = math.prod(kshape), math.prod(shape)
     if device.type == "cpu" and dtype in _NUMPY_KV_DTYPES:
-        whole = torch.from_numpy(np.zeros((num_layers, 2, *shape), dtype=_NUMPY_KV_DTYPES[dtype]))
-        return [(whole[i, 0], whole[i, 1]) for i in range(num_layers)]
+        whole = torch.from_numpy(np.zeros((num_layers, ke + ve), dtype=_NUMPY_KV_DTYPES[dtype]))
+        return [(whole[i, :ke].view(kshape), whole[i, ke:].view(shape)) for i in range(num_layers)]
     return [
         (
-            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(kshape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
         )
         for _ in range(num_layers)

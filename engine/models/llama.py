@@ -149,6 +149,10 @@ class LlamaAttention(nn.Module):
         # Shared by every layer; not submodules (they hold no parameters).
         self.attn_backend = attn_backend
         self.ops: ModelOps = TorchModelOps()
+        # Low-rank keys (engine/kv/low_rank.py): [num_kv_heads, head_dim, rank] in
+        # the activation dtype; q and k are projected into it after RoPE, so the
+        # backend attends over rank-wide keys and head_dim-wide values.
+        self.key_basis: torch.Tensor | None = None
 
     def forward(
         self,
@@ -179,11 +183,26 @@ class LlamaAttention(nn.Module):
             c = self.clip_qkv
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q, k = self.ops.rope(q, k, rope)
+        if self.key_basis is not None:
+            q, k = self.project_keys(q, k, self.key_basis)
         o = self.attn_backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         if meta.attn_mass is not None:  # a KV policy ranks keys by attention (issue 17)
             self.attn_backend.accumulate_attention_mass(q, kv_cache[0], meta, self.scale)
         out: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
         return out
+
+    def project_keys(
+        self, q: torch.Tensor, k: torch.Tensor, basis: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` ``[T, H, D]`` and ``k`` ``[T, Hkv, D]`` in the basis ``[Hkv, D, r]``:
+        ``[T, H, r]`` and ``[T, Hkv, r]`` (each query head in its KV head's basis)."""
+        t, r = q.shape[0], basis.shape[2]
+        g = self.num_heads // self.num_kv_heads
+        qg = q.reshape(t, self.num_kv_heads, g, self.head_dim).transpose(0, 1)
+        qr = torch.matmul(qg.reshape(self.num_kv_heads, t * g, self.head_dim), basis)
+        kr = torch.matmul(k.transpose(0, 1), basis)  # [Hkv, T, r]
+        q_out = qr.view(self.num_kv_heads, t, g, r).transpose(0, 1).reshape(t, self.num_heads, r)
+        return q_out, kr.transpose(0, 1).contiguous()
 
 
 class LlamaMLP(nn.Module):
@@ -313,6 +332,20 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta, routing)
         return self.model.norm.norm(x, residual)[0]
+
+    def set_key_basis(self, projections: list[torch.Tensor] | None) -> None:
+        """Project keys (and queries) into ``projections[i]`` (``[Hkv, D, r]``) in
+        layer ``i`` from now on; None: full-rank keys (engine/kv/low_rank.py)."""
+        layers = self.model.layers
+        if projections is not None and len(projections) != len(layers):
+            raise ValueError(f"got {len(projections)} key bases for {len(layers)} layers")
+        dtype = self.model.embed_tokens.weight.dtype
+        device = self.model.embed_tokens.weight.device
+        for i, layer in enumerate(layers):
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.self_attn.key_basis = (
+                None if projections is None else projections[i].to(device=device, dtype=dtype)
+            )
 
     def set_ops(self, ops: ModelOps) -> None:
         """Use ``ops`` (engine/models/ops.py) in every layer; the default is TorchModelOps."""

@@ -70,6 +70,8 @@ class NativeDecodeStep:
             if kc.dtype not in (torch.float32, torch.float16) or kc.dim() != 4:
                 raise ValueError("the native step reads plain float32/float16 KV caches only")
             attn, mlp = layer.self_attn, layer.mlp
+            if attn.key_basis is not None:
+                raise ValueError("low-rank keys (--kv-low-rank-keys) are not in the native step")
             parts = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
             if not all(isinstance(p, BlockQuantLinear) for p in parts):
                 raise ValueError("the linears are not block-quantized (--cpu-linear q4_1/q8_0)")
