@@ -46,9 +46,15 @@ def engine_for(spec: str, linear: str, args: argparse.Namespace, **kw: Any) -> L
     """``spec``: a KV cache dtype, then optionally ``/per_layer`` (decode steps
     layer by layer), ``/gN`` (KIVI group size N instead of ``--group-size`` or
     the format's default), ``/rN`` (float16 window of N tokens) and ``/sN``
-    (N sink tokens): e.g. ``kivi2/g32/r32/s0``."""
+    (N sink tokens): e.g. ``kivi2/g32/r32/s0``; ``/kN`` stores keys at rank N
+    (``--kv-low-rank-keys N``): e.g. ``float16/k32``."""
     kv, *opts = spec.split("/")
-    knobs = {"g": "kivi_group_size", "r": "kivi_residual_length", "s": "kivi_sink_tokens"}
+    knobs = {
+        "g": "kivi_group_size",
+        "r": "kivi_residual_length",
+        "s": "kivi_sink_tokens",
+        "k": "kv_low_rank_keys",
+    }
     if args.group_size is not None:
         kw["kivi_group_size"] = args.group_size
     for o in opts:
@@ -69,8 +75,12 @@ def engine_for(spec: str, linear: str, args: argparse.Namespace, **kw: Any) -> L
 
 
 def window_of(eng: LLMEngine) -> str:
-    """A KIVI engine's (group, float16 window, sinks), as the table states it."""
+    """A KIVI engine's (group, float16 window, sinks), or a low-rank engine's key
+    rank and the calibration keys' energy it keeps, as the table states it."""
     cfg = eng.config
+    if eng.key_basis is not None:
+        b = eng.key_basis
+        return f"keys rank {b.rank}/{b.head_dim} ({100 * b.kept_energy():.1f}% energy)"
     if not cfg.kv_cache_dtype.startswith("kivi"):
         return "-"
     g, ring, sink = cfg.kivi_window
@@ -201,7 +211,7 @@ def render(result: dict[str, Any]) -> str:
     rows = result["quality"]
     ref = rows[0] if rows else None
     lines = [
-        "| KV format | KIVI window | perplexity | vs float32 | identical greedy answers "
+        "| KV format | KIVI window / key rank | perplexity | vs float32 | identical greedy answers "
         "| token agreement | KV bytes/token | KV tokens | capacity vs float32 "
         "| RSS at start-up (MiB) |",
         "|---|---|---|---|---|---|---|---|---|---|",

@@ -15,7 +15,7 @@ from engine.attention.cpu_backend import CpuNativeAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.kv.format import PlainKVFormat
-from engine.kv.low_rank import KeyBasis, basis_from_keys
+from engine.kv.low_rank import KeyBasis, basis_from_samples
 from engine.llm_engine import LLMEngine
 from kernels.cpu_native import CpuKernels
 from tests.conftest import default_gguf_path
@@ -50,40 +50,76 @@ def _engine(tiny: Path, **kw: Any) -> LLMEngine:
 # ---------------------------------------------------------------- the basis
 
 
-def test_basis_is_orthonormal_and_sorted_by_energy() -> None:
-    gen = torch.Generator().manual_seed(0)
-    # Keys with most energy along a few directions, as real keys have.
-    scales = torch.tensor([8.0, 4.0, 2.0, 1.0] + [0.1] * 12)
-    keys = [torch.randn(500, 2, 16, generator=gen) * scales for _ in range(3)]
-    basis = basis_from_keys(keys, rank=4)
-    eye = torch.eye(16)
+def _samples(rank_of_keys: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Queries (4 heads) and keys (2 KV heads) of 3 layers, head size 16; each
+    KV head's keys vary in ``rank_of_keys`` directions around a large mean."""
+    gen = torch.Generator().manual_seed(seed)
+    qs, ks = [], []
+    for _ in range(3):
+        w = torch.randn(2, rank_of_keys, 16, generator=gen)
+        z = torch.randn(400, 2, rank_of_keys, generator=gen) * torch.linspace(3, 0.5, rank_of_keys)
+        mu = 5 * torch.randn(2, 16, generator=gen)
+        ks.append(torch.einsum("thr,hrd->thd", z, w) + mu)
+        qs.append(torch.randn(400, 4, 16, generator=gen))
+    return qs, ks
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, basis: KeyBasis, layer: int, h: int) -> torch.Tensor:
+    """Scores of KV head ``h``'s first query head against every key, through the basis."""
+    qp, kp, mu = basis.projection(layer)
+    return (q[:, 2 * h] @ qp[h]) @ ((k[:, h] - mu[h]) @ kp[h]).T
+
+
+def test_full_rank_form_keeps_every_score_up_to_a_per_query_shift() -> None:
+    qs, ks = _samples(16)
+    basis = basis_from_samples(qs, ks, rank=16)
     for layer in range(3):
+        torch.testing.assert_close(
+            basis.query_proj[layer] @ basis.key_proj[layer].transpose(1, 2),
+            torch.eye(16).expand(2, 16, 16),
+            atol=1e-4,
+            rtol=0,
+        )
         for h in range(2):
-            u = basis.vectors[layer, h]
-            torch.testing.assert_close(u.T @ u, eye, atol=1e-5, rtol=0)
+            got = _scores(qs[layer], ks[layer], basis, layer, h)
+            want = qs[layer][:, 2 * h] @ ks[layer][:, h].T
+            # Equal up to a constant per query (row): softmax sees the same thing.
+            torch.testing.assert_close(got - got[:, :1], want - want[:, :1], atol=2e-3, rtol=1e-4)
             e = basis.energy[layer, h]
             assert bool((e[:-1] >= e[1:]).all())
-            # The energy is the keys' along each column.
-            along = ((keys[layer][:, h] @ u) ** 2).sum(0)
-            torch.testing.assert_close(along, e, rtol=1e-3, atol=1e-2)
-    assert basis.projection(1).shape == (2, 16, 4)
-    assert basis.kept_energy() > 0.98
     assert basis.with_rank(16).kept_energy() == pytest.approx(1.0)
 
 
+def test_rank_r_form_is_exact_for_rank_r_keys_and_nested() -> None:
+    """Keys that vary in 4 directions: rank 4 keeps every score (up to the shift);
+    rank 2 loses some and is rank 4's first two columns."""
+    qs, ks = _samples(4, seed=1)
+    basis = basis_from_samples(qs, ks, rank=4)
+    assert basis.kept_energy() == pytest.approx(1.0, abs=1e-6)
+    got = _scores(qs[0], ks[0], basis, 0, 1)
+    want = qs[0][:, 2] @ ks[0][:, 1].T
+    torch.testing.assert_close(got - got[:, :1], want - want[:, :1], atol=2e-3, rtol=1e-4)
+    two = basis.with_rank(2)
+    assert two.kept_energy() < 0.99
+    assert torch.equal(two.projection(0)[1], basis.projection(0)[1][..., :2])
+    lossy = _scores(qs[0], ks[0], two, 0, 1)
+    assert float((lossy - lossy[:, :1] - (want - want[:, :1])).abs().max()) > 0.1
+
+
 def test_basis_file_round_trip_and_shape_checks(tmp_path: Path) -> None:
-    keys = [torch.randn(64, 2, 8) for _ in range(2)]
-    basis = basis_from_keys(keys, rank=3)
+    qs, ks = _samples(8)
+    basis = basis_from_samples(qs, ks, rank=3)
     path = tmp_path / "b.keybasis"
     basis.save(path)
     back = KeyBasis.load(path, 5)
-    torch.testing.assert_close(back.vectors, basis.vectors, rtol=0, atol=0)
+    for name in ("query_proj", "key_proj", "key_mean", "energy"):
+        assert torch.equal(getattr(back, name), getattr(basis, name))
     assert back.rank == 5 and back.digest != basis.digest
     assert KeyBasis.load(path, 3).digest == basis.digest
     with pytest.raises(ValueError, match="between 1 and the head size"):
-        KeyBasis.load(path, 9)
-    with pytest.raises(ValueError, match="2 layers x 2 KV heads x head size 8"):
-        back.check_model(3, 2, 8)
+        KeyBasis.load(path, 17)
+    with pytest.raises(ValueError, match="3 layers x 2 KV heads x head size 16"):
+        back.check_model(4, 2, 16)
     (tmp_path / "junk").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="cannot read the key basis"):
         KeyBasis.load(tmp_path / "junk", 2)

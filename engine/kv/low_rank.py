@@ -1,23 +1,26 @@
 """Low-rank keys (``--kv-low-rank-keys RANK``): keys stored in a per-layer,
-per-KV-head rank-``r`` basis found offline from the model's own keys.
+per-KV-head rank-``r`` form found offline from the model's own queries and keys.
 
-The math. For one KV head, let ``U`` be ``[head_dim, r]`` with orthonormal
-columns. The cache stores ``k_r = U^T k`` (``r`` numbers instead of
-``head_dim``) and every query head of that KV head's group is projected the
-same way, ``q_r = U^T q``, so ``q_r . k_r = q^T (U U^T) k``: attention reads
-keys projected onto the span of ``U``, in the basis, at the model's own scale
-(``head_dim ** -0.5``). Values are untouched. With ``r = head_dim``, ``U U^T``
+The math. For one KV head, the cache stores ``k_r = A^T (k - mu)`` (``r``
+numbers instead of ``head_dim``) and every query head of that KV head's group
+is projected by ``B``, ``q_r = B^T q`` (``A``, ``B``: ``[head_dim, r]``), so
+``q_r . k_r = q^T B A^T k - q^T B A^T mu``: a rank-``r`` approximation of the
+score, less a term that is the same for every key of the query, which softmax
+ignores. Attention runs on ``q_r``, ``k_r`` at the model's own scale
+(``head_dim ** -0.5``); values are untouched. At ``r = head_dim``, ``B A^T``
 is the identity and the answer is the full-rank one up to rounding (a test
 holds it to that).
 
-The basis. The principal directions of the keys: per layer and KV head, the
-eigenvectors of ``K^T K`` over the post-RoPE keys of a calibration text,
-sorted by eigenvalue (energy), so the first ``r`` columns keep the most of
-the keys' energy for any ``r``. Uncentred on purpose: attention scores are
-raw dot products, and the mean key direction is the one every score reads.
-The keys are taken after RoPE (what the cache holds), so stored keys cannot
-be re-rotated: RoPE does not commute with a general basis, which is why the
-KV policies that shift positions are refused with low-rank keys.
+The form. Per layer and KV head, from the post-RoPE queries and keys of a
+calibration text: the ``A``, ``B`` that make the expected squared score error
+smallest (``basis_from_samples``: an SVD of the whitened query-key product),
+with columns by falling score variance, so the first ``r`` columns are the
+best rank-``r`` form for any ``r``. Measured on the default model, this keeps
+perplexity much closer than the keys' principal directions used for both
+(docs/benchmarks/kv-compression.md; ``benchmarks/low_rank_keys.py`` compares
+them). The keys are taken after RoPE (what the cache holds), so stored keys
+cannot be re-rotated: RoPE does not commute with ``A``, which is why the KV
+policies that shift positions are refused with low-rank keys.
 
 Who owns what: :class:`KeyBasis` is immutable once built and is shared by
 the model (which projects q and k, engine/models/llama.py) and the KV format
@@ -60,30 +63,40 @@ _BASIS_VERSION = 1
 
 @dataclass(frozen=True)
 class KeyBasis:
-    """Per-layer key bases.
+    """Per-layer query and key projections, columns by falling importance.
 
     Attributes:
-        vectors: float32 ``[num_layers, num_kv_heads, head_dim, head_dim]``;
-            ``vectors[l, h, :, j]`` is the ``j``-th principal direction of
-            layer ``l``'s KV head ``h``, orthonormal columns, by falling energy.
-        energy: float32 ``[num_layers, num_kv_heads, head_dim]``: the
-            eigenvalues (the keys' energy along each column), falling.
+        query_proj: float32 ``[num_layers, num_kv_heads, head_dim, head_dim]``
+            (``B``); the first ``rank`` columns project a query head.
+        key_proj: float32, same shape (``A``); the first ``rank`` columns
+            project a key, after ``key_mean`` is taken off.
+        key_mean: float32 ``[num_layers, num_kv_heads, head_dim]`` (``mu``).
+        energy: float32 ``[num_layers, num_kv_heads, head_dim]``: the score
+            variance each column pair carries, falling.
         rank: the columns in use (``1 <= rank <= head_dim``).
-        digest: hex sha256 of the bytes in use (the fingerprint's key).
+
+    ``B A^T`` is the identity at full rank, and taking off ``mu`` shifts every
+    score of a query by the same ``q . B A^T mu``, which softmax ignores, so
+    full rank is the plain answer up to rounding.
     """
 
-    vectors: torch.Tensor
+    query_proj: torch.Tensor
+    key_proj: torch.Tensor
+    key_mean: torch.Tensor
     energy: torch.Tensor
     rank: int
 
     def __post_init__(self) -> None:
-        if self.vectors.dim() != 4 or self.vectors.shape[2] != self.vectors.shape[3]:
+        shape = tuple(self.key_proj.shape)
+        if len(shape) != 4 or shape[2] != shape[3] or tuple(self.query_proj.shape) != shape:
             raise ValueError(
-                "a key basis is [num_layers, num_kv_heads, head_dim, head_dim], got "
-                f"{tuple(self.vectors.shape)}"
+                "a key basis' projections are [num_layers, num_kv_heads, head_dim, head_dim], "
+                f"got {tuple(self.query_proj.shape)} and {shape}"
             )
-        if tuple(self.energy.shape) != tuple(self.vectors.shape[:3]):
-            raise ValueError("a key basis' energy is [num_layers, num_kv_heads, head_dim]")
+        if tuple(self.energy.shape) != shape[:3] or tuple(self.key_mean.shape) != shape[:3]:
+            raise ValueError(
+                "a key basis' energy and mean are [num_layers, num_kv_heads, head_dim]"
+            )
         if not 1 <= self.rank <= self.head_dim:
             raise ValueError(
                 f"--kv-low-rank-keys {self.rank} must be between 1 and the head size "
@@ -92,34 +105,47 @@ class KeyBasis:
 
     @property
     def num_layers(self) -> int:
-        return int(self.vectors.shape[0])
+        return int(self.key_proj.shape[0])
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.vectors.shape[1])
+        return int(self.key_proj.shape[1])
 
     @property
     def head_dim(self) -> int:
-        return int(self.vectors.shape[2])
+        return int(self.key_proj.shape[2])
 
-    def projection(self, layer: int) -> torch.Tensor:
-        """``[num_kv_heads, head_dim, rank]`` float32: layer ``layer``'s first ``rank`` columns."""
-        return self.vectors[layer, :, :, : self.rank].contiguous()
+    def projection(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s query projection and key projection (``[num_kv_heads,
+        head_dim, rank]`` float32, the first ``rank`` columns) and key mean
+        (``[num_kv_heads, head_dim]``)."""
+        r = self.rank
+        return (
+            self.query_proj[layer, :, :, :r].contiguous(),
+            self.key_proj[layer, :, :, :r].contiguous(),
+            self.key_mean[layer].contiguous(),
+        )
 
     @property
     def digest(self) -> str:
+        """Hex sha256 of what the rank in use reads (the disk fingerprint's key)."""
         h = hashlib.sha256(f"fuel-key-basis-v{_BASIS_VERSION}\0r{self.rank}\0".encode())
-        h.update(self.vectors[..., : self.rank].contiguous().numpy().tobytes())
+        for t in (
+            self.query_proj[..., : self.rank],
+            self.key_proj[..., : self.rank],
+            self.key_mean,
+        ):
+            h.update(t.contiguous().numpy().tobytes())
         return h.hexdigest()
 
     def kept_energy(self) -> float:
-        """Mean over layers and heads of the fraction of key energy the rank keeps."""
+        """Mean over layers and heads of the fraction of score variance the rank keeps."""
         e = self.energy.clamp_min(0)
         kept = e[..., : self.rank].sum(-1) / e.sum(-1).clamp_min(1e-30)
         return float(kept.mean())
 
     def with_rank(self, rank: int) -> KeyBasis:
-        return KeyBasis(self.vectors, self.energy, rank)
+        return KeyBasis(self.query_proj, self.key_proj, self.key_mean, self.energy, rank)
 
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         """Raises ValueError unless the basis fits a model of this shape."""
@@ -131,12 +157,16 @@ class KeyBasis:
                 f"the model has {want[0]} x {want[1]} x {want[2]}"
             )
 
+    _TENSORS = ("query_proj", "key_proj", "key_mean", "energy")
+
     def save(self, path: Path) -> None:
         """Write the full basis (every column: any rank reads it back)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         save_file(
-            {"vectors": self.vectors.contiguous(), "energy": self.energy.contiguous()},
+            # Cloned: a PCA basis uses one tensor for both projections (safetensors
+            # refuses tensors that share memory).
+            {name: getattr(self, name).clone() for name in self._TENSORS},
             str(tmp),
             metadata={"format": f"fuel-key-basis-v{_BASIS_VERSION}"},
         )
@@ -144,7 +174,7 @@ class KeyBasis:
 
     @classmethod
     def load(cls, path: Path, rank: int) -> KeyBasis:
-        """Read a basis file (``vectors`` and ``energy`` tensors, as :meth:`save` writes).
+        """Read a basis file (the tensors :meth:`save` writes).
 
         Raises:
             ValueError: the file is missing, unreadable or of the wrong shape.
@@ -153,34 +183,66 @@ class KeyBasis:
             t = load_file(str(path))
         except (OSError, SafetensorError) as e:
             raise ValueError(f"cannot read the key basis file {path}: {e}") from e
-        if "vectors" not in t or "energy" not in t:
-            raise ValueError(f"{path} holds no key basis (tensors 'vectors' and 'energy')")
-        return cls(t["vectors"].float(), t["energy"].float(), rank)
+        missing = [name for name in cls._TENSORS if name not in t]
+        if missing:
+            raise ValueError(f"{path} holds no key basis (missing {', '.join(missing)})")
+        qp, kp, mu, energy = (t[name].float() for name in cls._TENSORS)
+        return cls(qp, kp, mu, energy, rank)
 
 
-def basis_from_keys(keys: list[torch.Tensor], rank: int) -> KeyBasis:
-    """The principal directions of each layer's keys.
+def _sym_power(c: torch.Tensor, power: float, floor: float) -> torch.Tensor:
+    """``c ** power`` of symmetric PSD matrices ``[..., D, D]`` (float64), with
+    eigenvalues floored at ``floor`` times the largest (inverse roots stay finite)."""
+    evals, evecs = torch.linalg.eigh(c)
+    evals = evals.clamp_min(floor * evals[..., -1:].clamp_min(1e-300))
+    out: torch.Tensor = (evecs * evals.pow(power).unsqueeze(-2)) @ evecs.transpose(-1, -2)
+    return out
 
-    ``keys[l]`` is float ``[T, num_kv_heads, head_dim]`` (post-RoPE keys of
-    layer ``l``). Accumulated in float64: ``K^T K`` over thousands of tokens.
+
+def basis_from_samples(
+    queries: list[torch.Tensor], keys: list[torch.Tensor], rank: int
+) -> KeyBasis:
+    """The best rank-``r`` bilinear form for each layer's scores, nested in ``r``.
+
+    ``queries[l]`` is ``[T, num_heads, head_dim]`` and ``keys[l]`` ``[T,
+    num_kv_heads, head_dim]``, post-RoPE, of layer ``l``. Per KV head, with
+    ``Cq`` the second moment of its query heads' queries and ``Ck`` the
+    covariance of its keys (centred: the mean's share of a score is the same
+    for every key of a query, which softmax ignores), the score error
+    ``E[(q^T (I - B A^T) (k - mu))^2]`` is smallest over rank-``r`` products
+    ``B A^T`` for ``B = Cq^-1/2 U_r S_r^1/2`` and ``A = Ck^-1/2 V_r S_r^1/2``,
+    from the SVD ``Cq^1/2 Ck^1/2 = U S V^T``; columns in ``S`` order, so any
+    rank reads the first columns. Accumulated in float64.
     """
-    vectors, energy = [], []
-    for k in keys:
+    qp, kp, means, energy = [], [], [], []
+    for q, k in zip(queries, keys):
+        hkv = k.shape[1]
         kk = k.double().transpose(0, 1)  # [H, T, D]
-        cov = kk.transpose(1, 2) @ kk  # [H, D, D]
-        evals, evecs = torch.linalg.eigh(cov)  # ascending
-        vectors.append(evecs.flip(-1).float())
-        energy.append(evals.flip(-1).float())
-    return KeyBasis(torch.stack(vectors), torch.stack(energy), rank)
+        mu = kk.mean(1)  # [H, D]
+        kc = kk - mu[:, None]
+        ck = kc.transpose(1, 2) @ kc / kk.shape[1]
+        qq = q.double().reshape(q.shape[0], hkv, -1, q.shape[2]).transpose(0, 1)
+        qq = qq.reshape(hkv, -1, q.shape[2])  # [H, T * group, D]
+        cq = qq.transpose(1, 2) @ qq / qq.shape[1]
+        floor = 1e-9
+        u, sv, vh = torch.linalg.svd(_sym_power(cq, 0.5, floor) @ _sym_power(ck, 0.5, floor))
+        root = sv.sqrt().unsqueeze(-2)
+        qp.append((_sym_power(cq, -0.5, floor) @ u * root).float())
+        kp.append((_sym_power(ck, -0.5, floor) @ vh.transpose(-1, -2) * root).float())
+        means.append(mu.float())
+        energy.append((sv**2).float())
+    return KeyBasis(torch.stack(qp), torch.stack(kp), torch.stack(means), torch.stack(energy), rank)
 
 
 class _KeyCapture(AttentionBackend):
-    """A calibration forward's attention: records each layer's post-RoPE keys
-    (layers run in order) and attends causally over one cache-less sequence."""
+    """A calibration forward's attention: records each layer's post-RoPE queries
+    and keys (layers run in order) and attends causally over one cache-less
+    sequence."""
 
     name = "key-capture"
 
     def __init__(self) -> None:
+        self.queries: list[torch.Tensor] = []
         self.keys: list[torch.Tensor] = []
 
     def forward(
@@ -193,7 +255,8 @@ class _KeyCapture(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self.keys.append(k.detach().float().clone())
+        self.queries.append(q.detach().float().cpu())
+        self.keys.append(k.detach().float().cpu())
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
@@ -205,8 +268,11 @@ class _KeyCapture(AttentionBackend):
         return o.squeeze(0).transpose(0, 1).contiguous()
 
 
-def capture_keys(model: Any, token_ids: list[int], device: torch.device) -> list[torch.Tensor]:
-    """Post-RoPE keys of every layer over ``token_ids`` (one sequence, one forward).
+def capture_samples(
+    model: Any, token_ids: list[int], device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Post-RoPE queries and keys of every layer over ``token_ids`` (one
+    sequence, one forward).
 
     ``model`` is a Llama-family model (engine/models/llama.py) whose layers
     must not project keys yet (the basis is what this finds). Its attention
@@ -214,7 +280,7 @@ def capture_keys(model: Any, token_ids: list[int], device: torch.device) -> list
     """
     layers = model.model.layers
     if any(layer.self_attn.key_basis is not None for layer in layers):
-        raise ValueError("capture_keys needs full-rank keys (the model already projects them)")
+        raise ValueError("capture_samples needs full-rank keys (the model already projects them)")
     capture = _KeyCapture()
     saved = [layer.self_attn.attn_backend for layer in layers]
     n = len(token_ids)
@@ -244,7 +310,7 @@ def capture_keys(model: Any, token_ids: list[int], device: torch.device) -> list
     finally:
         for layer, backend in zip(layers, saved):
             layer.self_attn.attn_backend = backend
-    return [k.cpu() for k in capture.keys]
+    return capture.queries, capture.keys
 
 
 def cache_file_for(model_path: Path, key: str) -> list[Path]:
@@ -314,7 +380,7 @@ def resolve_key_basis(
                 continue
             logger.info("key basis from %s", place)
             return basis
-    basis = basis_from_keys(capture_keys(model, ids, device), rank)
+    basis = basis_from_samples(*capture_samples(model, ids, device), rank)
     for place in places:
         try:
             basis.save(place)

@@ -149,10 +149,11 @@ class LlamaAttention(nn.Module):
         # Shared by every layer; not submodules (they hold no parameters).
         self.attn_backend = attn_backend
         self.ops: ModelOps = TorchModelOps()
-        # Low-rank keys (engine/kv/low_rank.py): [num_kv_heads, head_dim, rank] in
-        # the activation dtype; q and k are projected into it after RoPE, so the
-        # backend attends over rank-wide keys and head_dim-wide values.
-        self.key_basis: torch.Tensor | None = None
+        # Low-rank keys (engine/kv/low_rank.py): the query and key projections,
+        # each [num_kv_heads, head_dim, rank], and the key mean [num_kv_heads,
+        # head_dim], in the activation dtype; q and k are projected after RoPE,
+        # so the backend attends over rank-wide keys and head_dim-wide values.
+        self.key_basis: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -192,15 +193,21 @@ class LlamaAttention(nn.Module):
         return out
 
     def project_keys(
-        self, q: torch.Tensor, k: torch.Tensor, basis: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        basis: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q`` ``[T, H, D]`` and ``k`` ``[T, Hkv, D]`` in the basis ``[Hkv, D, r]``:
-        ``[T, H, r]`` and ``[T, Hkv, r]`` (each query head in its KV head's basis)."""
-        t, r = q.shape[0], basis.shape[2]
+        """``q`` ``[T, H, D]`` and ``k`` ``[T, Hkv, D]`` through the query and key
+        projections ``[Hkv, D, r]``: ``[T, H, r]`` and ``[T, Hkv, r]`` (each query
+        head through its KV head's query projection; the key mean is taken off
+        first, which moves all of a query's scores alike)."""
+        q_proj, k_proj, k_mean = basis
+        t, r = q.shape[0], k_proj.shape[2]
         g = self.num_heads // self.num_kv_heads
         qg = q.reshape(t, self.num_kv_heads, g, self.head_dim).transpose(0, 1)
-        qr = torch.matmul(qg.reshape(self.num_kv_heads, t * g, self.head_dim), basis)
-        kr = torch.matmul(k.transpose(0, 1), basis)  # [Hkv, T, r]
+        qr = torch.matmul(qg.reshape(self.num_kv_heads, t * g, self.head_dim), q_proj)
+        kr = torch.matmul((k - k_mean).transpose(0, 1), k_proj)  # [Hkv, T, r]
         q_out = qr.view(self.num_kv_heads, t, g, r).transpose(0, 1).reshape(t, self.num_heads, r)
         return q_out, kr.transpose(0, 1).contiguous()
 
@@ -333,9 +340,12 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, rope, kv_cache, meta, routing)
         return self.model.norm.norm(x, residual)[0]
 
-    def set_key_basis(self, projections: list[torch.Tensor] | None) -> None:
-        """Project keys (and queries) into ``projections[i]`` (``[Hkv, D, r]``) in
-        layer ``i`` from now on; None: full-rank keys (engine/kv/low_rank.py)."""
+    def set_key_basis(
+        self, projections: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None
+    ) -> None:
+        """Project queries and keys through ``projections[i]`` (query and key
+        projections, each ``[Hkv, D, r]``, and the key mean ``[Hkv, D]``) in layer
+        ``i`` from now on; None: full-rank keys (engine/kv/low_rank.py)."""
         layers = self.model.layers
         if projections is not None and len(projections) != len(layers):
             raise ValueError(f"got {len(projections)} key bases for {len(layers)} layers")
@@ -344,7 +354,13 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(layers):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.key_basis = (
-                None if projections is None else projections[i].to(device=device, dtype=dtype)
+                None
+                if projections is None
+                else (
+                    projections[i][0].to(device=device, dtype=dtype),
+                    projections[i][1].to(device=device, dtype=dtype),
+                    projections[i][2].to(device=device, dtype=dtype),
+                )
             )
 
     def set_ops(self, ops: ModelOps) -> None:
