@@ -80,7 +80,7 @@ def window_of(eng: LLMEngine) -> str:
     cfg = eng.config
     if eng.key_basis is not None:
         b = eng.key_basis
-        return f"keys rank {b.rank}/{b.head_dim} ({100 * b.kept_energy():.1f}% energy)"
+        return f"keys rank {b.rank}/{b.head_dim} ({100 * b.kept_energy():.1f}% score variance)"
     if not cfg.kv_cache_dtype.startswith("kivi"):
         return "-"
     g, ring, sink = cfg.kivi_window

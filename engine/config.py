@@ -86,18 +86,20 @@ class EngineConfig:
     )
     kv_low_rank_keys: int | None = setting(
         None,
-        "Experimental: store keys in a per-layer, per-KV-head rank-RANK basis (1..head size): "
-        "the principal directions of the model's own post-RoPE keys, computed at load from a "
-        "calibration text and cached beside the model (or read from --kv-low-rank-keys-file); "
-        "attention runs in that basis. Key bytes shrink by RANK/head size; values are "
-        "unchanged. Plain KV dtypes only (not KIVI), no --kv-policy, no tensor parallelism; "
-        "attention on the torch path (docs/ARCHITECTURE.md, 'Low-rank keys').",
+        "Experimental: store keys at rank RANK (1..head size), per layer and KV head: the "
+        "rank-RANK query/key projections that best keep the model's own attention scores, "
+        "computed at load from a calibration text and cached beside the model (or read from "
+        "--kv-low-rank-keys-file); attention runs on the projected queries and keys. Key bytes "
+        "shrink by RANK/head size; values are unchanged. Plain KV dtypes only (not KIVI), no "
+        "--kv-policy, no tensor parallelism; attention on the torch path (docs/ARCHITECTURE.md, "
+        "'Low-rank keys'; quality in docs/benchmarks/kv-compression.md).",
         minimum=1,
     )
     kv_low_rank_keys_file: str | None = setting(
         None,
-        "Low-rank keys: a key basis file (safetensors with 'vectors' [layers, kv heads, head "
-        "size, head size] and 'energy', as the engine caches them) instead of calibrating.",
+        "Low-rank keys: a key basis file (safetensors: query_proj and key_proj [layers, kv "
+        "heads, head size, head size], key_mean and energy [layers, kv heads, head size], as the "
+        "engine caches them) instead of calibrating.",
     )
     kv_low_rank_calibration: str | None = setting(
         None,

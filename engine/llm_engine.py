@@ -416,7 +416,7 @@ class LLMEngine:
         )
         self.model.set_key_basis([basis.projection(i) for i in range(basis.num_layers)])
         logger.info(
-            "low-rank keys: rank %d of %d keeps %.1f%% of the calibration keys' energy",
+            "low-rank keys: rank %d of %d keeps %.1f%% of the calibration scores' variance",
             basis.rank,
             basis.head_dim,
             100 * basis.kept_energy(),
