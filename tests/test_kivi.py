@@ -240,6 +240,13 @@ def test_native_decode_split_k_window_and_sinks(kernels: object) -> None:
     _split_k(kernels, KiviLayout(2, 8, 32, 64, 1, 64, ring_groups=4, sink=True))
 
 
+def test_native_decode_groups_longer_than_a_segment(kernels: object) -> None:
+    """Groups of 128 tokens: the fast body scores a group in several scratch
+    segments (KIVI_SEG, cpu_kivi.c) with one set of scales; 4-bit, a window of
+    two groups, head size 64."""
+    _split_k(kernels, KiviLayout(4, 128, 32, 256, 1, 64, ring_groups=2))
+
+
 def _split_k(kernels: object, lay: KiviLayout) -> None:
     from engine.attention.cpu_backend import CpuNativeAttentionBackend
 

@@ -127,10 +127,7 @@ static float *scores_for(float **scores, int64_t *cap, int64_t n)
     return *scores;
 }
 
-/* Scores to unnormalised softmax weights, in place: row j (of nh rows of n
- * scores) becomes exp(s - mx[j]), with mx[j] its maximum and sum[j] its total
- * (the caller divides by sum). */
-static void softmax_rows(float *sc, int64_t n, int64_t nh, float *mx, float *sum)
+void fuel_softmax_rows(float *sc, int64_t n, int64_t nh, float *mx, float *sum)
 {
     for (int64_t j = 0; j < nh; ++j) {
         float *sj = sc + j * n;
@@ -187,7 +184,7 @@ static void softmax_rows(float *sc, int64_t n, int64_t nh, float *mx, float *sum
                 sc[j * n + t - t0] = s;                                                           \
             }                                                                                     \
         }                                                                                         \
-        softmax_rows(sc, n, nh, mx, sum);                                                         \
+        fuel_softmax_rows(sc, n, nh, mx, sum);                                                         \
         /* Pass 2: weighted sum of values. */                                                     \
         memset(oh, 0, (size_t)(nh * d) * sizeof(float));                                          \
         for (int64_t t = t0; t < t1; ++t) {                                                       \
@@ -200,25 +197,6 @@ static void softmax_rows(float *sc, int64_t n, int64_t nh, float *mx, float *sum
 
 DEFINE_DECODE_RANGE(decode_range_f32, float, dot, axpy)
 DEFINE_DECODE_RANGE(decode_range_f16, uint16_t, dot_h, axpy_h)
-
-/* Lane u of the result: the sum of the lanes of a[u] (an 8x8 transpose-add,
- * so eight dot products cost three shuffle levels rather than eight hsums). */
-static inline v8f hsum8x8(const v8f a[8])
-{
-#ifdef __AVX__
-    const __m256 s01 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]);
-    const __m256 s23 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
-    const __m256 s45 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]);
-    const __m256 s67 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
-    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                              _mm256_permute2f128_ps(s0123, s4567, 0x31));
-#else
-    v8f out;
-    for (int u = 0; u < 8; ++u) out[u] = hsum8(a[u]);
-    return out;
-#endif
-}
 
 /* The fast body of decode_range for head sizes that are multiples of 64 (64,
  * 128, 256: every model we serve); decode_range_* above is the general one.
@@ -277,7 +255,7 @@ static inline v8f hsum8x8(const v8f a[8])
                 sc[j * n + (t - t0)] = hsum8(acc) * scale;                                        \
             }                                                                                     \
         }                                                                                         \
-        softmax_rows(sc, n, nh, mx, sum);                                                         \
+        fuel_softmax_rows(sc, n, nh, mx, sum);                                                         \
         /* Pass 2: weighted sum of values, 64 output channels in registers, over       \
          * chunks of FUEL_V_CHUNK tokens: the g query heads of one kv head read the     \
          * same chunk of value rows while it is in L1 (over the whole range at once,    \

@@ -107,6 +107,11 @@ FUEL_HIDDEN void fuel_merge_parts(const float *part_out, const float *part_mx,
                                   const float *part_sum, int64_t parts, int64_t hq, int64_t d,
                                   float *out);
 
+/* Scores to unnormalised softmax weights, in place: row j (of nh rows of n
+ * scores) becomes exp(s - mx[j]), with mx[j] its maximum and sum[j] its total
+ * (the caller divides by sum). NaN scores never win the maximum. */
+FUEL_HIDDEN void fuel_softmax_rows(float *sc, int64_t n, int64_t nh, float *mx, float *sum);
+
 /* Sequences below this many keys are never split across threads. */
 #define FUEL_SPLIT_MIN_TOKENS 256
 

@@ -9,6 +9,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
+
 /* GCC/Clang vector extensions: portable SIMD (AVX2 here, NEON elsewhere). */
 typedef float v8f __attribute__((vector_size(32)));
 
@@ -61,6 +65,25 @@ static inline v8f exp8(v8f x)
     v8f scale;
     memcpy(&scale, &bits, sizeof scale);
     return select8(under, (v8f){0}, p * scale);
+}
+
+/* Lane u of the result: the sum of the lanes of a[u] (an 8x8 transpose-add,
+ * so eight dot products cost three shuffle levels rather than eight hsums). */
+static inline v8f hsum8x8(const v8f a[8])
+{
+#ifdef __AVX__
+    const __m256 s01 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]);
+    const __m256 s23 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    const __m256 s45 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]);
+    const __m256 s67 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                              _mm256_permute2f128_ps(s0123, s4567, 0x31));
+#else
+    v8f out;
+    for (int u = 0; u < 8; ++u) out[u] = hsum8(a[u]);
+    return out;
+#endif
 }
 
 #endif /* FUEL_VEC_H */
