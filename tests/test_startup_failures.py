@@ -51,6 +51,10 @@ def _cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
             "fewer than 2 blocks",
         ),
         "no_such_model": ([str(tmp_path / "nope")], "nope"),
+        "low_rank_above_head_size": (
+            [str(good), *tok, "--kv-low-rank-keys", "999"],
+            "--kv-low-rank-keys 999 must be between 1 and the head size",
+        ),
     }
 
 
