@@ -552,7 +552,9 @@ class LLMEngine:
         if device.type != "cpu" or choice == "per_layer" or self.tp is not None:
             return "per_layer"
         try:
-            self.runner.native_step = NativeDecodeStep.build(self.model, self.runner.kv_caches)
+            self.runner.native_step = NativeDecodeStep.build(
+                self.model, self.runner.kv_caches, self.runner.kv_format.attention_layout()
+            )
         except ValueError as e:
             if choice == "fused":
                 raise ValueError(f"--cpu-decode-step fused: {e}") from e

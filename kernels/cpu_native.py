@@ -91,6 +91,39 @@ class _Layer(ctypes.Structure):
     ]
 
 
+class _Kivi(ctypes.Structure):
+    """fuel_kivi (csrc/fuel_internal.h): a KIVI layout's numbers."""
+
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in (
+            "bits",
+            "group",
+            "vgroup",
+            "ring",
+            "sink",
+            "kside",
+            "vside",
+            "scale_off",
+            "kzero_off",
+            "vzero_off",
+            "kresid_off",
+            "vresid_off",
+        )
+    ]
+
+    @classmethod
+    def of(cls, lay: KiviLayout) -> _Kivi:
+        return cls(
+            lay.bits,
+            lay.group_size,
+            lay.value_group,
+            lay.ring_groups,
+            int(lay.sink),
+            *lay.kernel_offsets(),
+        )
+
+
 class _Model(ctypes.Structure):
     """fuel_model (csrc/cpu_step.c)."""
 
@@ -109,6 +142,7 @@ class _Model(ctypes.Structure):
         ("cos_sin", ctypes.c_void_p),
         ("final_norm", ctypes.c_void_p),
         ("layers", ctypes.POINTER(_Layer)),
+        ("kivi", ctypes.POINTER(_Kivi)),
     ]
 
 
@@ -119,7 +153,8 @@ class DecodeLayer:
     Norm weights float32 ``[H]``; ``qkv`` ``[(hq + 2 hkv) d, H]`` (q rows, then
     k, then v), ``o`` ``[H, hq d]``, ``gate_up`` ``[2 I, H]`` (gate rows, then
     up), ``down`` ``[H, I]``, all in one block format; biases float32 or None;
-    the layer's KV cache ``[num_blocks, bs, hkv, d]`` (float32 or float16).
+    the layer's KV cache ``[num_blocks, bs, hkv, d]`` (float32 or float16), or
+    KIVI caches ``uint8 [num_blocks, layout.k.nbytes]`` / ``[.., layout.v.nbytes]``.
     """
 
     attn_norm: torch.Tensor
@@ -219,6 +254,7 @@ def _decode_plan_checks(
     head_dim: int,
     cos_sin: torch.Tensor,
     final_norm: torch.Tensor,
+    kv_layout: KiviLayout | None = None,
 ) -> list[tuple[bool, str]]:
     """(holds, what it needs) for every layout fact ``fuel_decode_step_f32`` reads."""
     hidden = int(final_norm.shape[0])
@@ -236,8 +272,27 @@ def _decode_plan_checks(
             and cos_sin.shape[1] == head_dim,
             "a contiguous float32 [max_pos, head_dim] cos|sin table",
         ),
-        (kc0.dtype in _CACHE_DTYPES and kc0.dim() == 4, "float32/float16 [nb, bs, hkv, d] caches"),
     ]
+    if kv_layout is None:
+        checks.append(
+            (
+                kc0.dtype in _CACHE_DTYPES and kc0.dim() == 4,
+                "float32/float16 [nb, bs, hkv, d] caches",
+            )
+        )
+    else:
+        kl = kv_layout
+        checks.append(
+            (
+                (kl.num_kv_heads, kl.head_dim) == (num_kv_heads, head_dim)
+                and all(
+                    c.dtype == torch.uint8 and c.dim() == 2 and c.shape[1] == n
+                    for x in layers
+                    for c, n in ((x.k_cache, kl.k.nbytes), (x.v_cache, kl.v.nbytes))
+                ),
+                f"uint8 [nb, {kl.k.nbytes}] / [nb, {kl.v.nbytes}] KIVI caches of the layout",
+            )
+        )
     for i, lay in enumerate(layers):
         shapes = [
             (lay.qkv, q_size + 2 * kv_size, hidden),
@@ -273,12 +328,12 @@ def _decode_plan_checks(
         )
         checks.append(
             (
-                lay.k_cache.shape == kc0.shape
-                and lay.v_cache.shape == kc0.shape
+                lay.k_cache.shape[0] == lay.v_cache.shape[0] == kc0.shape[0]
+                and (kv_layout is not None or lay.k_cache.shape == lay.v_cache.shape == kc0.shape)
                 and lay.k_cache.dtype == lay.v_cache.dtype == kc0.dtype
                 and lay.k_cache.is_contiguous()
                 and lay.v_cache.is_contiguous()
-                and tuple(kc0.shape[2:]) == (num_kv_heads, head_dim),
+                and (kv_layout is not None or tuple(kc0.shape[2:]) == (num_kv_heads, head_dim)),
                 f"layer {i}: contiguous caches like layer 0's",
             )
         )
@@ -782,8 +837,11 @@ class CpuKernels:
         scale: float,
         cos_sin: torch.Tensor,
         final_norm: torch.Tensor,
+        kv_layout: KiviLayout | None = None,
     ) -> DecodeStepPlan:
         """Check every layer's shapes, dtypes and layouts once and build the plan.
+        ``kv_layout``: the caches are KIVI blocks of this layout (stored and read
+        as ``kernels.kivi`` describes) instead of plain float caches.
 
         Raises:
             ValueError: anything :meth:`decode_step` could not read as documented.
@@ -794,11 +852,13 @@ class CpuKernels:
         inter = layers[0].down.in_features
         kc0 = layers[0].k_cache
         for ok, what in _decode_plan_checks(
-            layers, num_heads, num_kv_heads, head_dim, cos_sin, final_norm
+            layers, num_heads, num_kv_heads, head_dim, cos_sin, final_norm, kv_layout
         ):
             if not ok:
                 raise ValueError(f"decode_step_plan needs {what}")
-        keep: list[object] = [cos_sin, final_norm, *layers]
+        kivi = _Kivi.of(kv_layout) if kv_layout is not None else None
+        block_size = kv_layout.block_size if kv_layout is not None else int(kc0.shape[1])
+        keep: list[object] = [cos_sin, final_norm, *layers, kivi]
         arr = (_Layer * len(layers))()
         for i, lay in enumerate(layers):
             arr[i] = _Layer(
@@ -818,7 +878,7 @@ class CpuKernels:
             num_kv_heads,
             head_dim,
             inter,
-            int(kc0.shape[1]),
+            block_size,
             eps,
             scale,
             int(kc0.dtype == torch.float16),
@@ -826,11 +886,12 @@ class CpuKernels:
             cos_sin.data_ptr(),
             final_norm.data_ptr(),
             arr,
+            ctypes.pointer(kivi) if kivi is not None else None,
         )
         sizes = {
             "hidden": hidden,
             "max_positions": int(cos_sin.shape[0]),
-            "num_slots": int(kc0.shape[0] * kc0.shape[1]),
+            "num_slots": int(kc0.shape[0]) * block_size,
         }
         return DecodeStepPlan(model, arr, keep, sizes)
 

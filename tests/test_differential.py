@@ -117,6 +117,17 @@ MODES: dict[str, dict[str, Any]] = {
         "kivi_sink_tokens": 2,
         "block_size": 8,
     },
+    # KIVI under the CPU default's block-quantized linears, so decode-only steps
+    # run the fused native step (its C store and KIVI attention) and the
+    # per_layer_decode axis holds it to the per-layer path (torch store).
+    "kivi2_q4": {
+        "cpu_linear": "q4_1",
+        "kv_cache_dtype": "kivi2",
+        "kivi_group_size": 2,
+        "kivi_residual_length": 4,
+        "kivi_sink_tokens": 2,
+        "block_size": 8,
+    },
     # Low-rank keys (--kv-low-rank-keys): keys stored and attended in a rank-8
     # basis of the tiny model's 16-wide heads (calibrated at load, cached beside
     # the checkpoint), plain float32 blocks otherwise. Half the key bytes.
@@ -127,11 +138,12 @@ MODE_SKIPS: dict[str, dict[str, str]] = {
     # A window of several groups takes whole-block prefix hits only (kernels/kivi.py);
     # tests/test_kivi_engine.py checks that partial hits stay off.
     "kivi2w": {"prefix_partial": "whole-block prefix hits only"},
+    "kivi2_q4": {"prefix_partial": "whole-block prefix hits only"},
 }
 # Modes compared within ROUNDED_LOGPROB_ATOL (tests/differential.py says why).
 # KIVI rounds keys/values to 4 or 2 bits: a last-bit difference of a batched
 # matmul can move a code or a float16 scale, which shows as ~1e-4 in a logprob.
-ROUNDED_MODES = frozenset({"q4_1_f16kv", "q8_0", "kivi4", "kivi2", "kivi2w"})
+ROUNDED_MODES = frozenset({"q4_1_f16kv", "q8_0", "kivi4", "kivi2", "kivi2w", "kivi2_q4"})
 
 
 def _self_draft_for(settings: dict[str, Any]) -> dict[str, Any]:
@@ -525,7 +537,7 @@ def reference(model: Model, mode: str) -> list[Answer]:
 # KIVI formats refuse speculative decoding (rolling back a KIVI block is not
 # built), tensor parallelism and KV policies at start-up: on those axes the
 # refusal is what is checked.
-KIVI_MODES = frozenset({"kivi4", "kivi2", "kivi2w"})
+KIVI_MODES = frozenset({"kivi4", "kivi2", "kivi2w", "kivi2_q4"})
 
 
 def _refusal(mode: str, axis: str) -> str | None:

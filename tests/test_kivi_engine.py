@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.kv.format import PlainKVFormat
 from engine.kv.kivi_format import KiviKVFormat
 from engine.llm_engine import LLMEngine
+from engine.sampling.params import SamplingParams
 from server.metrics import Metrics
 from tests.conftest import default_gguf_path
 from tests.model_utils import make_tiny_checkpoint
@@ -171,3 +172,64 @@ def test_partial_prefix_hits_only_with_a_one_group_window(tiny: Path) -> None:
     )
     assert one.kv.partial_granularity == 4
     assert wide.kv.partial_granularity == 0
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Head size 64 (the native KIVI kernel's fast body), GQA 4:2."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("kivi64"),
+        "llama",
+        vocab_size=49152,
+        hidden_size=128,
+        head_dim=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
+@pytest.mark.parametrize("head", ["tiny", "tiny64"])
+@pytest.mark.parametrize(
+    "kivi",
+    [
+        {"kv_cache_dtype": "kivi4", "block_size": 64, "kivi_group_size": 8},
+        {
+            "kv_cache_dtype": "kivi2",
+            "block_size": 64,
+            "kivi_group_size": 4,
+            "kivi_residual_length": 8,
+            "kivi_sink_tokens": 4,
+        },
+    ],
+    ids=["kivi4", "kivi2_window_sinks"],
+)
+def test_fused_decode_step_is_the_per_layer_path_bit_for_bit(
+    head: str, kivi: dict[str, Any], request: pytest.FixtureRequest
+) -> None:
+    """Under block-quantized linears KIVI decode steps run the fused native step,
+    whose C store (csrc/cpu_kivi.c fuel_kivi_store_row) and KIVI attention must
+    leave every cache byte and every logprob exactly as the per-layer path (the
+    torch store, the per-layer kernel) does: groups completed in decode steps,
+    windows and sinks, several sequences of different lengths."""
+    path = request.getfixturevalue(head)
+    prompts = [list(range(100, 100 + n)) for n in (5, 23, 40)]
+    runs = {}
+    for step in ("fused", "per_layer"):
+        eng = _engine(path, cpu_linear="q4_1", cpu_decode_step=step, **kivi)
+        assert eng.info.decode_step == step
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=30, logprobs=1))
+        got: dict[str, list[tuple[int, float]]] = {}
+        while eng.has_unfinished():
+            for _, out in eng.step():
+                for d in out.outputs:
+                    got.setdefault(out.request_id, []).extend(
+                        (t, lp.chosen.logprob)
+                        for t, lp in zip(d.delta_token_ids, d.delta_logprobs or [])
+                    )
+        runs[step] = (got, [(k.clone(), v.clone()) for k, v in eng.runner.kv_caches])
+    (fused, fc), (layered, lc) = runs["fused"], runs["per_layer"]
+    assert all(len(v) == 30 for v in fused.values())
+    assert fused == layered
+    for (kf, vf), (kl, vl) in zip(fc, lc):
+        assert torch.equal(kf, kl) and torch.equal(vf, vl)

@@ -29,6 +29,7 @@ from engine.attention.base import AttentionMetadata
 from engine.models.linear import BlockQuantLinear
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from kernels.cpu_native import CpuKernels, DecodeLayer, DecodeStepPlan
+from kernels.kivi import KiviLayout
 
 
 class NativeDecodeStep:
@@ -53,9 +54,14 @@ class NativeDecodeStep:
 
     @classmethod
     def build(
-        cls, model: object, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        cls,
+        model: object,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_layout: KiviLayout | None = None,
     ) -> NativeDecodeStep:
-        """The native step for ``model``, or ValueError saying why it cannot run it."""
+        """The native step for ``model``, or ValueError saying why it cannot run it.
+        ``kv_layout``: the caches are KIVI blocks of that layout (the step stores
+        and reads them as the per-layer path does, bit for bit)."""
         if not isinstance(model, LlamaForCausalLM):
             raise ValueError(f"{type(model).__name__} is not a Llama-family model")
         cfg = model.config
@@ -67,8 +73,10 @@ class NativeDecodeStep:
             assert isinstance(layer, LlamaDecoderLayer)
             if type(layer) is not LlamaDecoderLayer or not isinstance(layer.mlp, LlamaMLP):
                 raise ValueError("Mixture-of-Experts layers are not in the native step")
-            if kc.dtype not in (torch.float32, torch.float16) or kc.dim() != 4:
-                raise ValueError("the native step reads plain float32/float16 KV caches only")
+            if kv_layout is None and (
+                kc.dtype not in (torch.float32, torch.float16) or kc.dim() != 4
+            ):
+                raise ValueError("the native step reads float32/float16 or KIVI KV caches only")
             attn, mlp = layer.self_attn, layer.mlp
             if attn.key_basis is not None:
                 raise ValueError("low-rank keys (--kv-low-rank-keys) are not in the native step")
@@ -106,6 +114,7 @@ class NativeDecodeStep:
             scale=cfg.head_dim**-0.5,
             cos_sin=model.model.rotary_emb.cos_sin_cache,
             final_norm=model.model.norm.weight.detach(),
+            kv_layout=kv_layout,
         )
         return cls(model, first.kernels, plan, limits.pop())
 

@@ -118,12 +118,52 @@ static inline void axpyf(float *o, float p, const float *v, int64_t d)
 }
 
 /* Scratch of one thread: scores [hq * n], and rows of d floats. */
-typedef struct {
+#define KIVI_SEG 64 /* rows per scratch segment (keys) and per value chunk */
+typedef struct fuel_kivi_scratch {
     float *scores;
     int64_t cap;
     float *qs, *qz, *row, *vrow;
     float *rows; /* KIVI_SEG rows of d floats (the fast body) */
 } kivi_scratch;
+
+void fuel_kivi_scratch_free(fuel_kivi_scratch *s)
+{
+    if (s == NULL) return;
+    free(s->scores);
+    free(s->qs);
+    free(s->qz);
+    free(s->row);
+    free(s->vrow);
+    free(s->rows);
+    free(s);
+}
+
+fuel_kivi_scratch *fuel_kivi_scratch_new(int64_t hq, int64_t hkv, int64_t d)
+{
+    const int64_t g = hq / hkv;
+    kivi_scratch *s = calloc(1, sizeof *s);
+    if (s == NULL) return NULL;
+    s->qs = malloc(sizeof(float) * (size_t)(g * d));
+    s->qz = malloc(sizeof(float) * (size_t)g);
+    s->row = malloc(sizeof(float) * (size_t)d);
+    s->vrow = malloc(sizeof(float) * (size_t)d);
+    s->rows = malloc(sizeof(float) * (size_t)(KIVI_SEG * d));
+    if (!s->qs || !s->qz || !s->row || !s->vrow || !s->rows) {
+        fuel_kivi_scratch_free(s);
+        return NULL;
+    }
+    return s;
+}
+
+static kivi_cache cache_of(const fuel_kivi *kv, const uint8_t *k, const uint8_t *v, int64_t hkv,
+                           int64_t d, int64_t bs)
+{
+    const kivi_cache kc = {k,         v,         hkv,       d,         bs,
+                           kv->group, kv->vgroup, kv->bits, kv->ring,  kv->sink != 0,
+                           kv->kside, kv->vside, kv->scale_off, kv->kzero_off, kv->vzero_off,
+                           kv->kresid_off, kv->vresid_off};
+    return kc;
+}
 
 static int scratch_fit(kivi_scratch *s, int64_t n)
 {
@@ -249,8 +289,6 @@ static int kivi_range(const kivi_cache *kc, const float *q, const int32_t *bt, i
  *   instead of a horizontal sum per (token, head);
  * - values are dequantized a chunk of tokens at a time per kv head, and each
  *   query head sums the chunk with 64 output channels in registers. */
-#define KIVI_SEG 64 /* rows per scratch segment (keys) and per value chunk */
-
 /* sc[jj * len + u] = (qv_jj . rows_u + add_jj) * scale for jj < g, u < cnt. */
 static void seg_scores(const float *qv, const float *add, const float *rows, int64_t cnt,
                        int64_t d, int64_t g, float scale, float *sc, int64_t len)
@@ -387,6 +425,96 @@ static int kivi_range_fast(const kivi_cache *kc, const float *q, const int32_t *
     return 0;
 }
 
+int fuel_kivi_range(const fuel_kivi *kv, const uint8_t *k_cache, const uint8_t *v_cache,
+                    int64_t hkv, int64_t d, int64_t bs, const float *q, const int32_t *bt,
+                    int64_t n, int64_t t0, int64_t t1, int64_t hq, float scale, float *out,
+                    float *mx, float *sum, fuel_kivi_scratch *s)
+{
+    const kivi_cache kc = cache_of(kv, k_cache, v_cache, hkv, d, bs);
+    return (d % 64 == 0 ? kivi_range_fast : kivi_range)(&kc, q, bt, n, t0, t1, hq, scale, out,
+                                                         mx, sum, s);
+}
+
+/* ---- the store (the fused decode step's; kernels/kivi.py kivi_store) ---- */
+
+/* Asymmetric min/max codes of n floats x[i * stride] (float16 values), as
+ * kernels/kivi.py _minmax_quant computes them: scale = fp16((hi - lo) /
+ * levels), zero = fp16(lo), code = clamp(round_half_even((x - zero) /
+ * scale), 0, levels), 0 where the scale is 0. */
+static void minmax_codes(const float *x, int64_t n, int64_t stride, int levels, uint16_t *scale,
+                         uint16_t *zero, uint8_t *codes)
+{
+    float lo = x[0], hi = x[0];
+    for (int64_t i = 1; i < n; ++i) {
+        const float v = x[i * stride];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    *scale = f2h((hi - lo) / (float)levels);
+    *zero = f2h(lo);
+    const float sf = h2f(*scale), zf = h2f(*zero);
+    for (int64_t i = 0; i < n; ++i) {
+        float c = sf > 0.0f ? nearbyintf((x[i * stride] - zf) / sf) : 0.0f;
+        c = c < 0.0f ? 0.0f : (c > (float)levels ? (float)levels : c);
+        codes[i] = (uint8_t)c;
+    }
+}
+
+/* Pack d codes into one row (channel c at bits (c % per) * bits of byte c / per). */
+static void pack_row(const uint8_t *codes, int64_t d, int64_t bits, uint8_t *out)
+{
+    const int64_t per = 8 / bits;
+    for (int64_t b = 0; b < d / per; ++b) {
+        unsigned v = 0;
+        for (int64_t i = 0; i < per; ++i) v |= (unsigned)codes[b * per + i] << (i * bits);
+        out[b] = (uint8_t)v;
+    }
+}
+
+void fuel_kivi_store_row(const fuel_kivi *kv, uint8_t *k_cache, uint8_t *v_cache, int64_t hkv,
+                         int64_t d, int64_t bs, int64_t slot, const float *k, const float *v)
+{
+    const kivi_cache kc = cache_of(kv, k_cache, v_cache, hkv, d, bs);
+    const int64_t blk = slot / bs, o = slot % bs, G = kc.group, tok = hkv * d;
+    uint8_t *kb = k_cache + blk * kc.kside, *vb = v_cache + blk * kc.vside;
+    uint16_t *kres = (uint16_t *)(kb + kc.kresid_off), *vres = (uint16_t *)(vb + kc.vresid_off);
+    const int64_t row = resid_row(&kc, o);
+    for (int64_t c = 0; c < tok; ++c) {
+        kres[row * tok + c] = f2h(k[c]);
+        vres[row * tok + c] = f2h(v[c]);
+    }
+    if (o % G != G - 1) return;
+    /* The token ends its group: quantize the group's G float16 rows. */
+    const int levels = (1 << kc.bits) - 1;
+    const int64_t o0 = o - (G - 1), gi = o0 / G, r0 = resid_row(&kc, o0), dp = d * kc.bits / 8;
+    const int64_t vg = kc.vgroup, ng = d / vg;
+    float x[G > d ? G : d];
+    uint8_t codes[G > d ? G : d], packed[d];
+    uint8_t krows[G][d];
+    for (int64_t h = 0; h < hkv; ++h) {
+        /* Keys: per channel over the group's tokens. */
+        uint16_t *ks = (uint16_t *)(kb + kc.scale_off) + (gi * hkv + h) * d;
+        uint16_t *kz = (uint16_t *)(kb + kc.kzero_off) + (gi * hkv + h) * d;
+        for (int64_t c = 0; c < d; ++c) {
+            for (int64_t u = 0; u < G; ++u) x[u] = h2f(kres[(r0 + u) * tok + h * d + c]);
+            minmax_codes(x, G, 1, levels, ks + c, kz + c, codes);
+            for (int64_t u = 0; u < G; ++u) krows[u][c] = codes[u];
+        }
+        for (int64_t u = 0; u < G; ++u) pack_row(krows[u], d, kc.bits, kb + ((o0 + u) * hkv + h) * dp);
+        /* Values: per token over groups of vg channels. */
+        for (int64_t u = 0; u < G; ++u) {
+            const int64_t at = (o0 + u) * hkv + h;
+            uint16_t *vs = (uint16_t *)(vb + kc.scale_off) + at * ng;
+            uint16_t *vz = (uint16_t *)(vb + kc.vzero_off) + at * ng;
+            for (int64_t c = 0; c < d; ++c) x[c] = h2f(vres[(r0 + u) * tok + h * d + c]);
+            for (int64_t gr = 0; gr < ng; ++gr)
+                minmax_codes(x + gr * vg, vg, 1, levels, vs + gr, vz + gr, codes + gr * vg);
+            pack_row(codes, d, kc.bits, packed);
+            memcpy(vb + at * dp, packed, (size_t)dp);
+        }
+    }
+}
+
 /* Returns 0, -1 on a failed allocation, -2 on a bad argument. */
 int fuel_kivi_decode_attention_f32(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
                                    const int32_t *block_tables, int64_t bt_stride,
@@ -400,9 +528,8 @@ int fuel_kivi_decode_attention_f32(const float *q, const uint8_t *k_cache, const
     if ((bits != 2 && bits != 4) || hkv < 1 || hq % hkv || bs % group || d % vgroup ||
         d % (8 / bits) || ring < 1 || (ring + (sink != 0)) * group > bs)
         return -2;
-    const kivi_cache kc = {k_cache, v_cache, hkv,  d,         bs,        group,      vgroup,
-                           bits,    ring,    sink != 0, kside, vside, scale_off, kzero_off,
-                           vzero_off, kresid_off, vresid_off};
+    const fuel_kivi kv = {bits,      group,     vgroup,    ring,       sink,      kside,
+                          vside,     scale_off, kzero_off, vzero_off, kresid_off, vresid_off};
     int64_t max_len = 0;
     for (int64_t i = 0; i < nd; ++i) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
     /* Split-K as in cpu_attention.c: few long sequences use every thread. */
@@ -413,18 +540,11 @@ int fuel_kivi_decode_attention_f32(const float *q, const uint8_t *k_cache, const
     float *part_mx = malloc(sizeof(float) * (size_t)(items * hq));
     float *part_sum = malloc(sizeof(float) * (size_t)(items * hq));
     int failed = !part_out || !part_mx || !part_sum;
-    const int64_t g = hq / hkv;
 
 #pragma omp parallel num_threads(nt) if (nt > 1 && !failed)
     {
-        kivi_scratch s = {NULL,
-                          0,
-                          malloc(sizeof(float) * (size_t)(g * d)),
-                          malloc(sizeof(float) * (size_t)g),
-                          malloc(sizeof(float) * (size_t)d),
-                          malloc(sizeof(float) * (size_t)d),
-                          malloc(sizeof(float) * (size_t)(KIVI_SEG * d))};
-        const int ok = s.qs && s.qz && s.row && s.vrow && s.rows;
+        kivi_scratch *s = fuel_kivi_scratch_new(hq, hkv, d);
+        const int ok = s != NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
             if (failed || !ok) {
@@ -443,19 +563,14 @@ int fuel_kivi_decode_attention_f32(const float *q, const uint8_t *k_cache, const
                 memset(po, 0, sizeof(float) * (size_t)(hq * d));
                 continue;
             }
-            if ((d % 64 == 0 ? kivi_range_fast : kivi_range)(&kc, q + i * hq * d,
-                                                             block_tables + i * bt_stride, n, t0,
-                                                             t1, hq, scale, po, pm, ps, &s) != 0) {
+            if (fuel_kivi_range(&kv, k_cache, v_cache, hkv, d, bs, q + i * hq * d,
+                                block_tables + i * bt_stride, n, t0, t1, hq, scale, po, pm, ps,
+                                s) != 0) {
 #pragma omp atomic write
                 failed = 1;
             }
         }
-        free(s.scores);
-        free(s.qs);
-        free(s.qz);
-        free(s.row);
-        free(s.vrow);
-        free(s.rows);
+        fuel_kivi_scratch_free(s);
     }
     if (!failed) {
         for (int64_t i = 0; i < nd; ++i)

@@ -52,7 +52,7 @@ typedef struct {
     fuel_qweight o;         /* [H, hq d] */
     fuel_qweight gate_up;   /* [2 I, H]: gate rows, then up rows */
     fuel_qweight down;      /* [H, I] */
-    void *k_cache;          /* [num_blocks, bs, hkv, d], fp32 or fp16 */
+    void *k_cache;          /* [num_blocks, bs, hkv, d] fp32 or fp16; KIVI: uint8 rows */
     void *v_cache;
 } fuel_layer;
 
@@ -63,6 +63,8 @@ typedef struct {
     const float *cos_sin;    /* [max_pos, d]: cos | sin */
     const float *final_norm; /* [H] */
     const fuel_layer *layers;
+    /* KIVI caches (uint8 rows of this layout) instead of plain ones, or NULL. */
+    const fuel_kivi *kivi;
 } fuel_model;
 
 /* This thread's share [*lo, *hi) of `units` units, in multiples of `align`. */
@@ -128,6 +130,11 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
         float *scores = NULL;
         int64_t cap = 0;
         int64_t lo, hi;
+        fuel_kivi_scratch *kscratch = md->kivi ? fuel_kivi_scratch_new(hq, hkv, d) : NULL;
+        if (md->kivi && kscratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
         for (int64_t l = 0; l < md->n_layers; ++l) {
             const fuel_layer *L = md->layers + l;
             /* A: h = delta + x (x is the residual stream), xn = norm(h), blocks. */
@@ -148,7 +155,10 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
             for (int64_t r = 0; r < M; ++r) {
                 float *row = qkv + r * nqkv;
                 fuel_rope_row(row, hq + hkv, d, md->cos_sin + positions[r] * d);
-                if (slots[r] >= 0) {
+                if (slots[r] >= 0 && md->kivi) {
+                    fuel_kivi_store_row(md->kivi, L->k_cache, L->v_cache, hkv, d, bs, slots[r],
+                                        row + natt, row + natt + tok);
+                } else if (slots[r] >= 0) {
                     const size_t at = (size_t)(slots[r] * tok) * (md->kv_half ? 2 : 4);
                     fuel_store_row((char *)L->k_cache + at, row + natt, tok, md->kv_half);
                     fuel_store_row((char *)L->v_cache + at, row + natt + tok, tok, md->kv_half);
@@ -166,8 +176,14 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
                 if (parts == 1) {
                     float mx[hq], sum[hq];
                     float *o = att + i * natt;
-                    rc = fuel_decode_range(q, L->k_cache, L->v_cache, md->kv_half, bt, 0, n, o,
-                                           hkv, g, d, bs, md->scale, &scores, &cap, mx, sum);
+                    rc = md->kivi ? (kscratch == NULL
+                                         ? -1
+                                         : fuel_kivi_range(md->kivi, L->k_cache, L->v_cache, hkv,
+                                                           d, bs, q, bt, n, 0, n, hq, md->scale,
+                                                           o, mx, sum, kscratch))
+                                  : fuel_decode_range(q, L->k_cache, L->v_cache, md->kv_half, bt,
+                                                      0, n, o, hkv, g, d, bs, md->scale, &scores,
+                                                      &cap, mx, sum);
                     for (int64_t j = 0; j < hq && rc == 0; ++j) {
                         const float inv = 1.0f / sum[j];
                         for (int64_t c = 0; c < d; ++c) o[j * d + c] *= inv;
@@ -184,9 +200,15 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
                         }
                         memset(po, 0, sizeof(float) * (size_t)natt);
                     } else {
-                        rc = fuel_decode_range(q, L->k_cache, L->v_cache, md->kv_half, bt, t0, t1,
-                                               po, hkv, g, d, bs, md->scale, &scores, &cap, pm,
-                                               ps);
+                        rc = md->kivi
+                                 ? (kscratch == NULL
+                                        ? -1
+                                        : fuel_kivi_range(md->kivi, L->k_cache, L->v_cache, hkv,
+                                                          d, bs, q, bt, n, t0, t1, hq, md->scale,
+                                                          po, pm, ps, kscratch))
+                                 : fuel_decode_range(q, L->k_cache, L->v_cache, md->kv_half, bt,
+                                                     t0, t1, po, hkv, g, d, bs, md->scale,
+                                                     &scores, &cap, pm, ps);
                     }
                 }
                 if (rc != 0) {
@@ -240,6 +262,7 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
         for (int64_t r = 0; r < M; ++r)
             fuel_norm_row(delta + r * H, x + r * H, md->final_norm, out + r * H, H, md->eps);
         free(scores);
+        fuel_kivi_scratch_free(kscratch);
     }
 done:
     free(xn);

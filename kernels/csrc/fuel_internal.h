@@ -112,6 +112,36 @@ FUEL_HIDDEN void fuel_merge_parts(const float *part_out, const float *part_mx,
  * (the caller divides by sum). NaN scores never win the maximum. */
 FUEL_HIDDEN void fuel_softmax_rows(float *sc, int64_t n, int64_t nh, float *mx, float *sum);
 
+/* ---- KIVI blocks (cpu_kivi.c) ------------------------------------------ */
+
+/* A KIVI layout's numbers (kernels/kivi.py, KiviLayout and its sides); the
+ * caches are uint8 [num_blocks, kside] and [num_blocks, vside]. Layout shared
+ * with ctypes (kernels/cpu_native.py). */
+typedef struct {
+    int64_t bits, group, vgroup, ring, sink;
+    int64_t kside, vside, scale_off, kzero_off, vzero_off, kresid_off, vresid_off;
+} fuel_kivi;
+
+/* Per-thread scratch of the KIVI attention (opaque); NULL when out of memory. */
+typedef struct fuel_kivi_scratch fuel_kivi_scratch;
+FUEL_HIDDEN fuel_kivi_scratch *fuel_kivi_scratch_new(int64_t hq, int64_t hkv, int64_t d);
+FUEL_HIDDEN void fuel_kivi_scratch_free(fuel_kivi_scratch *s);
+
+/* Store one token's key and value rows (hkv * d floats each) at `slot`: the
+ * float16 slot rows, and when the token ends its group, the group quantized
+ * (kernels/kivi.py kivi_store, bit for bit). */
+FUEL_HIDDEN void fuel_kivi_store_row(const fuel_kivi *kv, uint8_t *k_cache, uint8_t *v_cache,
+                                     int64_t hkv, int64_t d, int64_t bs, int64_t slot,
+                                     const float *k, const float *v);
+
+/* Like fuel_decode_range, over KIVI blocks: keys [t0, t1) of one sequence of
+ * n tokens, all heads. Returns 0, or -1 when the scratch could not grow. */
+FUEL_HIDDEN int fuel_kivi_range(const fuel_kivi *kv, const uint8_t *k_cache,
+                                const uint8_t *v_cache, int64_t hkv, int64_t d, int64_t bs,
+                                const float *q, const int32_t *bt, int64_t n, int64_t t0,
+                                int64_t t1, int64_t hq, float scale, float *out, float *mx,
+                                float *sum, fuel_kivi_scratch *s);
+
 /* Sequences below this many keys are never split across threads. */
 #define FUEL_SPLIT_MIN_TOKENS 256
 
