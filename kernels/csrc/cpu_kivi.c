@@ -56,6 +56,40 @@ static inline int64_t resid_row(const kivi_cache *kc, int64_t o)
 static inline void unpack_row(const uint8_t *p, int64_t d, int64_t bits, float *out)
 {
     int64_t c = 0;
+#if defined(__AVX512F__)
+    if (bits == 4) {
+        /* 64 channels from 32 bytes: nibbles split and interleaved per 128-bit
+         * lane (x0 = channels 0-15 | 32-47, x1 = 16-31 | 48-63), then 16
+         * codes at a time widened to floats. */
+        const __m256i m = _mm256_set1_epi8(0x0f);
+        for (; c + 64 <= d; c += 64) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(p + c / 2));
+            const __m256i lo = _mm256_and_si256(b, m);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+            const __m256i x0 = _mm256_unpacklo_epi8(lo, hi), x1 = _mm256_unpackhi_epi8(lo, hi);
+            _mm512_storeu_ps(out + c, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(x0))));
+            _mm512_storeu_ps(out + c + 16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(x1))));
+            _mm512_storeu_ps(out + c + 32, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(x0, 1))));
+            _mm512_storeu_ps(out + c + 48, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(x1, 1))));
+        }
+    } else {
+        /* 64 channels from 16 bytes: the four 2-bit planes, interleaved by bytes
+         * then by pairs (channel 4 i + j is plane j of byte i). */
+        const __m128i m = _mm_set1_epi8(0x03);
+        for (; c + 64 <= d; c += 64) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(p + c / 4));
+            const __m128i x0 = _mm_and_si128(b, m), x1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+            const __m128i x2 = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+            const __m128i x3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+            const __m128i t0 = _mm_unpacklo_epi8(x0, x1), t1 = _mm_unpackhi_epi8(x0, x1);
+            const __m128i t2 = _mm_unpacklo_epi8(x2, x3), t3 = _mm_unpackhi_epi8(x2, x3);
+            _mm512_storeu_ps(out + c, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi16(t0, t2))));
+            _mm512_storeu_ps(out + c + 16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi16(t0, t2))));
+            _mm512_storeu_ps(out + c + 32, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi16(t1, t3))));
+            _mm512_storeu_ps(out + c + 48, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi16(t1, t3))));
+        }
+    }
+#endif
 #if defined(__AVX2__)
     if (bits == 4) {
         const __m128i lo_mask = _mm_set1_epi8(0x0f);
