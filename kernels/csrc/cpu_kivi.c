@@ -354,9 +354,14 @@ static void seg_rows(const kivi_cache *kc, const int32_t *bt, int64_t t, int64_t
 {
     const int64_t d = kc->d, bs = kc->bs, hkv = kc->hkv, dp = d * kc->bits / 8;
     const int64_t vg = kc->vgroup, ng = d / vg;
-    for (int64_t u = 0; u < cnt; ++u) {
-        const int64_t tok = t + u, o = tok % bs;
-        const uint8_t *b = (keys ? kc->k : kc->v) + bt[tok / bs] * (keys ? kc->kside : kc->vside);
+    /* Rows walked block by block: no division per row. */
+    int64_t blk = t / bs, o = t % bs;
+    for (int64_t u = 0; u < cnt; ++u, ++o) {
+        if (o == bs) {
+            o = 0;
+            ++blk;
+        }
+        const uint8_t *b = (keys ? kc->k : kc->v) + bt[blk] * (keys ? kc->kside : kc->vside);
         float *r = rows + u * d;
         if (!quantized) {
             const uint16_t *rp = (const uint16_t *)(b + (keys ? kc->kresid_off : kc->vresid_off));
