@@ -77,6 +77,21 @@ static inline void share(int64_t units, int64_t align, int t, int T, int64_t *lo
     if (*lo > units) *lo = units;
 }
 
+/* Keys [t0, t1) of one sequence, all heads (fuel_decode_range's contract),
+ * over the model's plain or KIVI caches. */
+static int attend(const fuel_model *md, const fuel_layer *L, const float *q, const int32_t *bt,
+                  int64_t n, int64_t t0, int64_t t1, float *out, float *mx, float *sum,
+                  float **scores, int64_t *cap, fuel_kivi_scratch *ks)
+{
+    const int64_t hq = md->n_heads, hkv = md->n_kv_heads, d = md->head_dim, bs = md->block_size;
+    if (md->kivi != NULL)
+        return ks == NULL ? -1
+                          : fuel_kivi_range(md->kivi, L->k_cache, L->v_cache, hkv, d, bs, q, bt, n,
+                                            t0, t1, hq, md->scale, out, mx, sum, ks);
+    return fuel_decode_range(q, L->k_cache, L->v_cache, md->kv_half, bt, t0, t1, out, hkv,
+                             hq / hkv, d, bs, md->scale, scores, cap, mx, sum);
+}
+
 /* One function of ~180 lines, against the house's ~80: the phases must share
  * one OpenMP region (that is the point: one fork/join per step, barriers
  * between phases) and its thread-private scratch, so they cannot become
@@ -87,7 +102,7 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
                          const int32_t *seq_lens, float *out, int num_threads)
 {
     const int64_t H = md->hidden, hq = md->n_heads, hkv = md->n_kv_heads, d = md->head_dim;
-    const int64_t I = md->inter, bs = md->block_size, g = hq / hkv;
+    const int64_t I = md->inter, bs = md->block_size;
     const int64_t nqkv = (hq + 2 * hkv) * d, natt = hq * d, tok = hkv * d;
     const int qt = md->layers[0].qkv.qtype;
     /* Weight rows per thread in whole tiles of the layout. */
@@ -176,14 +191,7 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
                 if (parts == 1) {
                     float mx[hq], sum[hq];
                     float *o = att + i * natt;
-                    rc = md->kivi ? (kscratch == NULL
-                                         ? -1
-                                         : fuel_kivi_range(md->kivi, L->k_cache, L->v_cache, hkv,
-                                                           d, bs, q, bt, n, 0, n, hq, md->scale,
-                                                           o, mx, sum, kscratch))
-                                  : fuel_decode_range(q, L->k_cache, L->v_cache, md->kv_half, bt,
-                                                      0, n, o, hkv, g, d, bs, md->scale, &scores,
-                                                      &cap, mx, sum);
+                    rc = attend(md, L, q, bt, n, 0, n, o, mx, sum, &scores, &cap, kscratch);
                     for (int64_t j = 0; j < hq && rc == 0; ++j) {
                         const float inv = 1.0f / sum[j];
                         for (int64_t c = 0; c < d; ++c) o[j * d + c] *= inv;
@@ -200,15 +208,8 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
                         }
                         memset(po, 0, sizeof(float) * (size_t)natt);
                     } else {
-                        rc = md->kivi
-                                 ? (kscratch == NULL
-                                        ? -1
-                                        : fuel_kivi_range(md->kivi, L->k_cache, L->v_cache, hkv,
-                                                          d, bs, q, bt, n, t0, t1, hq, md->scale,
-                                                          po, pm, ps, kscratch))
-                                 : fuel_decode_range(q, L->k_cache, L->v_cache, md->kv_half, bt,
-                                                     t0, t1, po, hkv, g, d, bs, md->scale,
-                                                     &scores, &cap, pm, ps);
+                        rc = attend(md, L, q, bt, n, t0, t1, po, pm, ps, &scores, &cap,
+                                    kscratch);
                     }
                 }
                 if (rc != 0) {
