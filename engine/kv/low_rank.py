@@ -61,6 +61,14 @@ CALIBRATION_TOKENS = 2048
 _BASIS_VERSION = 1
 
 
+def check_rank(rank: int, head_dim: int) -> None:
+    """Raises ValueError unless ``1 <= rank <= head_dim``."""
+    if not 1 <= rank <= head_dim:
+        raise ValueError(
+            f"--kv-low-rank-keys {rank} must be between 1 and the head size ({head_dim})"
+        )
+
+
 @dataclass(frozen=True)
 class KeyBasis:
     """Per-layer query and key projections, columns by falling importance.
@@ -97,11 +105,7 @@ class KeyBasis:
             raise ValueError(
                 "a key basis' energy and mean are [num_layers, num_kv_heads, head_dim]"
             )
-        if not 1 <= self.rank <= self.head_dim:
-            raise ValueError(
-                f"--kv-low-rank-keys {self.rank} must be between 1 and the head size "
-                f"({self.head_dim})"
-            )
+        check_rank(self.rank, self.head_dim)
 
     @property
     def num_layers(self) -> int:
@@ -348,10 +352,8 @@ def resolve_key_basis(
     """
     cfg = model.config
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    if not 1 <= rank <= cfg.head_dim:
-        raise ValueError(
-            f"--kv-low-rank-keys {rank} must be between 1 and the head size ({cfg.head_dim})"
-        )
+    # Before any file is read or any calibration runs (a basis would refuse it too).
+    check_rank(rank, cfg.head_dim)
     if basis_file is not None:
         basis = KeyBasis.load(Path(basis_file), rank)
         basis.check_model(*shape)
