@@ -380,6 +380,9 @@ class CpuKernels:
         kivi.argtypes = [p, p, p, p, i64, p, p, *([i64] * 17), ctypes.c_float, ctypes.c_int]
         kivi.restype = ctypes.c_int
         self._kivi_decode = kivi
+        self._kivi_integer = self._lib.fuel_kivi_integer_body
+        self._kivi_integer.argtypes = [i64, i64]
+        self._kivi_integer.restype = ctypes.c_int
         f32 = ctypes.c_float
         norm = self._lib.fuel_add_rms_norm_f32
         norm.argtypes = [p, p, p, p, i64, i64, f32, ctypes.c_int]
@@ -495,6 +498,16 @@ class CpuKernels:
             raise MemoryError("paged_decode_attention: scratch allocation failed")
         return res
 
+    def kivi_integer_body(self, layout: KiviLayout) -> bool:
+        """Whether :meth:`kivi_decode_attention` reads ``layout``'s quantized rows
+        with its integer body (csrc/cpu_kivi.c: AVX-512 VNNI builds, head sizes
+        that are multiples of 64, value groups of 32 or a multiple of 64). That
+        body rounds q s (keys) and p s (values) to 16 bits, so it departs from
+        :func:`kernels.kivi.kivi_attention_ref` by more than float rounding
+        (about 1e-3 of the outputs at the tests' shapes); elsewhere the float
+        body stays within float rounding of it."""
+        return bool(self._kivi_integer(layout.head_dim, layout.value_group))
+
     def kivi_decode_attention(
         self,
         q: torch.Tensor,
@@ -509,7 +522,9 @@ class CpuKernels:
     ) -> torch.Tensor:
         """Decode attention (one query per sequence, its key/value stored) over KIVI
         blocks read in place (csrc/cpu_kivi.c). Same result as
-        :func:`kernels.kivi.kivi_attention_ref` on each sequence; ``q`` float32
+        :func:`kernels.kivi.kivi_attention_ref` on each sequence, within float
+        rounding or, with the integer body (:meth:`kivi_integer_body`), within its
+        16-bit rounding of q s and p s; ``q`` float32
         ``[nd, Hq, D]`` contiguous; caches ``uint8 [num_blocks, lay.k.nbytes]`` and
         ``[num_blocks, lay.v.nbytes]``;
         ``block_tables``/``seq_lens`` int32 as for :meth:`paged_decode_attention`.

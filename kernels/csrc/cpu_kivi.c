@@ -158,7 +158,11 @@ typedef struct fuel_kivi_scratch {
     int64_t cap;
     float *qs, *qz, *row, *vrow;
     float *rows; /* KIVI_SEG rows of d floats (the fast body) */
+    struct vnni_scratch_s *vnni; /* the integer body's, or NULL without it */
 } kivi_scratch;
+
+static struct vnni_scratch_s *vnni_new(int64_t hq, int64_t g, int64_t d);
+static void vnni_free(struct vnni_scratch_s *v);
 
 void fuel_kivi_scratch_free(fuel_kivi_scratch *s)
 {
@@ -169,6 +173,7 @@ void fuel_kivi_scratch_free(fuel_kivi_scratch *s)
     free(s->row);
     free(s->vrow);
     free(s->rows);
+    vnni_free(s->vnni);
     free(s);
 }
 
@@ -182,7 +187,8 @@ fuel_kivi_scratch *fuel_kivi_scratch_new(int64_t hq, int64_t hkv, int64_t d)
     s->row = malloc(sizeof(float) * (size_t)d);
     s->vrow = malloc(sizeof(float) * (size_t)d);
     s->rows = malloc(sizeof(float) * (size_t)(KIVI_SEG * d));
-    if (!s->qs || !s->qz || !s->row || !s->vrow || !s->rows) {
+    s->vnni = d % 64 == 0 ? vnni_new(hq, g, d) : NULL;
+    if (!s->qs || !s->qz || !s->row || !s->vrow || !s->rows || (d % 64 == 0 && !s->vnni)) {
         fuel_kivi_scratch_free(s);
         return NULL;
     }
@@ -311,6 +317,431 @@ static int kivi_range(const kivi_cache *kc, const float *q, const int32_t *bt, i
     return 0;
 }
 
+/* ---- the integer body (AVX-512 VNNI; head sizes that are multiples of 64) --
+ *
+ * Same contract and read rule as kivi_range_fast; its float16 rows (sinks and
+ * window) are read by the same float code. Quantized rows are never turned
+ * into floats: codes are widened to int16 and multiplied by int16 weights with
+ * vpdpwssd, 32 products per instruction into int32, exactly.
+ * - Keys: for each group and query head, q * s (the group's channel scales
+ *   folded into the query) is rounded to int16, qi = round(q s / qs_scale) with
+ *   qs_scale = max |q s| / 32767, and q . k = qs_scale * sum_c qi_c code_c +
+ *   q . z. The rounding moves each score by at most
+ *   qs_scale / 2 * sum_c code_c (llama.cpp's CPU attention over quantized KV
+ *   rounds the query to its key type the same way, to 8 bits).
+ * - Values: for a segment of rows, one query head and one channel group k, the
+ *   weights w_u = p_u s_uk are rounded to int16 against the segment's largest,
+ *   and the output gains w_scale * sum_u wi_u code_uc + sum_u p_u z_uk.
+ *   Codes of two rows sit in each int32 lane (vpdpwssd sums the pair), so the
+ *   multiplier of a lane is (wi_u, wi_u+1) of the lane's channel group.
+ * Both are 2^-16 of the largest term, far below the codes' own rounding (a
+ * 4-bit code is 2^-4 of its range), and the same on every path (decode,
+ * extend pieces, the fused step), since every path runs this kernel.
+ *
+ * Code layout of one 64-channel chunk of a row, as two vectors of 32 int16:
+ * - 4 bits: c0 holds channels 2i, c1 channels 2i + 1 (the low and high
+ *   nibbles of byte i);
+ * - 2 bits: c0 holds channels 4i (i < 16) then 4i + 1, c1 channels 4i + 2 then
+ *   4i + 3 (the four bit planes of byte i).
+ * Value groups must be 32 channels or a multiple of 64, so that each 128-bit
+ * lane of those vectors lies in one channel group. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KIVI_VNNI 1
+
+/* Channel of int16 lane i (0..63: c0 then c1) of a 64-channel chunk. */
+static inline int vnni_channel(int64_t bits, int i)
+{
+    const int half = i / 32, w = i % 32;
+    if (bits == 4) return 2 * w + half;
+    return 4 * (w % 16) + 2 * half + w / 16;
+}
+
+/* One row's chunk of codes (p: its first byte) in the layout above. */
+static inline void vnni_codes(const uint8_t *p, int64_t bits, __m512i *c0, __m512i *c1)
+{
+    if (bits == 4) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+        *c0 = _mm512_and_si512(w, _mm512_set1_epi16(0x0f));
+        *c1 = _mm512_srli_epi16(w, 4);
+    } else {
+        const __m512i w = _mm512_broadcast_i64x4(
+            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)));
+        const __m512i three = _mm512_set1_epi16(3);
+        const __m512i s01 = _mm512_set_epi64(0x0002000200020002, 0x0002000200020002,
+                                             0x0002000200020002, 0x0002000200020002, 0, 0, 0, 0);
+        const __m512i s23 = _mm512_add_epi16(s01, _mm512_set1_epi16(4));
+        *c0 = _mm512_and_si512(_mm512_srlv_epi16(w, s01), three);
+        *c1 = _mm512_and_si512(_mm512_srlv_epi16(w, s23), three);
+    }
+}
+
+/* Lane r of the result: the sum of the 16 lanes of a[r] (a 16x16
+ * transpose-add in four levels; integer sums, so the order is free). */
+static inline __m512i vnni_hsum16(const __m512i a[16])
+{
+    __m512i s1[8], s2[4], s3[2];
+    for (int i = 0; i < 8; ++i) /* rows 2i | 2i + 1, eight partials each */
+        s1[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(a[2 * i], a[2 * i + 1], 0x44),
+                                 _mm512_shuffle_i64x2(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i) /* quarter m: row 4i + m, four partials */
+        s2[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(s1[2 * i], s1[2 * i + 1], 0x88),
+                                 _mm512_shuffle_i64x2(s1[2 * i], s1[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i) /* quarter m: rows 8i + m, 8i + 4 + m, two partials each */
+        s3[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(s2[2 * i], s2[2 * i + 1]),
+                                 _mm512_unpackhi_epi64(s2[2 * i], s2[2 * i + 1]));
+    const __m512 f0 = _mm512_castsi512_ps(s3[0]), f1 = _mm512_castsi512_ps(s3[1]);
+    const __m512i s4 = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(f0, f1, 0x88)),
+                                        _mm512_castps_si512(_mm512_shuffle_ps(f0, f1, 0xDD)));
+    /* lane 4m + i holds row m + 4i */
+    const __m512i order =
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_epi32(order, s4);
+}
+
+/* Rounds x[0..n) (n a multiple of 16) to int32 against its largest magnitude:
+ * returns the scale (0 when every x is 0; then q is all 0). */
+static inline float vnni_round(const float *x, int64_t n, int32_t *q)
+{
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    const float amax = _mm512_reduce_max_ps(m);
+    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    for (int64_t i = 0; i < n; i += 16)
+        _mm512_storeu_si512(q + i, _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i),
+                                                                    _mm512_set1_ps(inv))));
+    return amax / 32767.0f;
+}
+
+/* Scratch of the integer body, per thread (sized for KIVI_SEG rows). */
+typedef struct vnni_scratch_s {
+    int16_t *codes;  /* [hkv, KIVI_SEG, d]: a key segment's codes, chunk layout */
+    int16_t *qi;     /* [KIVI_SEG + 1, hq, d]: rounded q s per group and query head */
+    float *qscale;   /* [hq, KIVI_SEG + 1] (+ 16: a vector load past the last) */
+    float *qz;       /* [hq, KIVI_SEG + 1] (+ 16) */
+    __m512i *pairs;  /* [hkv, KIVI_SEG / 2, d / 64, 4]: value codes of row pairs */
+    float *vs, *vz;  /* [hkv, d / vgroup, KIVI_SEG]: value scales and zeros */
+    float *tmp;      /* [KIVI_SEG + 16] floats */
+    float *operm;    /* [hq, d]: value sums in lane order (seg_values_int) */
+    int32_t *wi;     /* [d / 32, KIVI_SEG / 2]: rounded value weights, two rows per int32 */
+} vnni_scratch;
+
+static void vnni_free(vnni_scratch *v)
+{
+    if (v == NULL) return;
+    free(v->codes);
+    free(v->qi);
+    free(v->qscale);
+    free(v->qz);
+    free(v->pairs);
+    free(v->vs);
+    free(v->vz);
+    free(v->tmp);
+    free(v->wi);
+    free(v->operm);
+    free(v);
+}
+
+/* Zeroed, so that lanes past a segment's rows read finite numbers. */
+static vnni_scratch *vnni_new(int64_t hq, int64_t g, int64_t d)
+{
+    vnni_scratch *v = calloc(1, sizeof *v);
+    if (v == NULL) return NULL;
+    const size_t groups = KIVI_SEG + 1, ng = (size_t)(d / 32), hkv = (size_t)(hq / g);
+    v->codes = calloc(hkv * KIVI_SEG * (size_t)d, sizeof(int16_t));
+    v->qi = calloc(groups * (size_t)(hq * d), sizeof(int16_t));
+    v->qscale = calloc(groups * (size_t)hq + 16, sizeof(float));
+    v->qz = calloc(groups * (size_t)hq + 16, sizeof(float));
+    v->pairs = aligned_alloc(64, sizeof(__m512i) * hkv * (KIVI_SEG / 2 * 4 * (size_t)(d / 64)));
+    v->vs = calloc(hkv * ng * KIVI_SEG, sizeof(float));
+    v->vz = calloc(hkv * ng * KIVI_SEG, sizeof(float));
+    v->tmp = calloc(KIVI_SEG + 16, sizeof(float));
+    v->wi = calloc(ng * (KIVI_SEG / 2), sizeof(int32_t));
+    v->operm = calloc((size_t)(hq * d), sizeof(float));
+    if (!v->operm || !v->codes || !v->qi || !v->qscale || !v->qz || !v->pairs || !v->vs || !v->vz ||
+        !v->tmp || !v->wi) {
+        vnni_free(v);
+        return NULL;
+    }
+    return v;
+}
+
+/* Rows [t, t + cnt) of one side walked block by block (no division per
+ * row): base[u] is row u's first byte (all kv heads), blk_of[u] its block's. */
+static void seg_bases(const kivi_cache *kc, const int32_t *bt, int keys, int64_t t, int64_t cnt,
+                      const uint8_t **base, const uint8_t **blk_of)
+{
+    const int64_t bs = kc->bs, row = kc->hkv * kc->d * kc->bits / 8;
+    const uint8_t *side = keys ? kc->k : kc->v;
+    const int64_t stride = keys ? kc->kside : kc->vside;
+    int64_t blk = t / bs, o = t % bs;
+    for (int64_t u = 0; u < cnt; ++u, ++o) {
+        if (o == bs) {
+            o = 0;
+            ++blk;
+        }
+        blk_of[u] = side + bt[blk] * stride;
+        base[u] = blk_of[u] + o * row;
+    }
+}
+
+/* Scores of quantized key rows [t, t + cnt) (t >= sink, t + cnt <= ws), every
+ * head: sc[j * len + u] for query head j and row u (sc: row t's column). Each
+ * row is read once for all kv heads (a token's heads are contiguous). */
+static void seg_scores_int(const kivi_cache *kc, const int32_t *bt, const float *q, int64_t t,
+                           int64_t cnt, int64_t g, float scale, float *sc, int64_t len,
+                           float *fbuf, vnni_scratch *vs)
+{
+    const int64_t d = kc->d, bs = kc->bs, hkv = kc->hkv, G = kc->group, hq = hkv * g;
+    const int64_t dp = d * kc->bits / 8, nc = d / 64, g0 = t / G, chunk = 64 * kc->bits / 8;
+    const int64_t ngr = (t + cnt - 1) / G - g0 + 1;
+    const uint8_t *base[KIVI_SEG], *blk_of[KIVI_SEG];
+    seg_bases(kc, bt, 1, t, cnt, base, blk_of);
+    /* Codes of the segment's rows: [h, u, d] in the chunk layout. */
+    for (int64_t u = 0; u < cnt; ++u)
+        for (int64_t h = 0; h < hkv; ++h) {
+            int16_t *dst = vs->codes + (h * KIVI_SEG + u) * d;
+            for (int64_t c = 0; c < nc; ++c) {
+                __m512i c0, c1;
+                vnni_codes(base[u] + h * dp + c * chunk, kc->bits, &c0, &c1);
+                _mm512_storeu_si512(dst + c * 64, c0);
+                _mm512_storeu_si512(dst + c * 64 + 32, c1);
+            }
+        }
+    /* Each group's rounded q s, its scale and q . z, per query head j:
+     * vs->qi [group, j, d]; vs->qscale and vs->qz [j, group] (KIVI_SEG + 1
+     * groups per head, so 16 of them load as one vector). */
+    int16_t perm_idx[64];
+    for (int i = 0; i < 64; ++i) perm_idx[i] = (int16_t)vnni_channel(kc->bits, i);
+    const __m512i ix0 = _mm512_loadu_si512(perm_idx), ix1 = _mm512_loadu_si512(perm_idx + 32);
+    float *qsf = fbuf, *sf = fbuf + d, *zf = fbuf + 2 * d;
+    for (int64_t gr = 0; gr < ngr; ++gr) {
+        const int64_t gt = (g0 + gr) * G; /* the group's first token */
+        const uint8_t *kb = kc->k + bt[gt / bs] * kc->kside;
+        const int64_t gi = (gt % bs) / G;
+        for (int64_t h = 0; h < hkv; ++h) {
+            /* the group's scales and zeros, as floats once for the kv head's g heads */
+            const uint16_t *sp = (const uint16_t *)(kb + kc->scale_off) + (gi * hkv + h) * d;
+            const uint16_t *zp = (const uint16_t *)(kb + kc->kzero_off) + (gi * hkv + h) * d;
+            for (int64_t c = 0; c < d; c += 16) {
+                _mm512_storeu_ps(sf + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + c))));
+                _mm512_storeu_ps(zf + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zp + c))));
+            }
+            for (int64_t j = h * g; j < (h + 1) * g; ++j) {
+                const float *qj = q + j * d;
+                __m512 z = _mm512_setzero_ps(), m = _mm512_setzero_ps();
+                for (int64_t c = 0; c < d; c += 16) {
+                    const __m512 qv = _mm512_loadu_ps(qj + c);
+                    const __m512 x = _mm512_mul_ps(qv, _mm512_loadu_ps(sf + c));
+                    _mm512_storeu_ps(qsf + c, x);
+                    m = _mm512_max_ps(m, _mm512_abs_ps(x));
+                    z = _mm512_fmadd_ps(qv, _mm512_loadu_ps(zf + c), z);
+                }
+                const float amax = _mm512_reduce_max_ps(m);
+                const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+                vs->qz[j * (KIVI_SEG + 1) + gr] = _mm512_reduce_add_ps(z);
+                vs->qscale[j * (KIVI_SEG + 1) + gr] = amax / 32767.0f;
+                int16_t *dst = vs->qi + (gr * hq + j) * d;
+                for (int64_t c = 0; c < d; c += 64) {
+                    /* rounded, as int16 in channel order, then into the chunk layout */
+#define KIVI_Q16(o) _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qsf + c + (o)), inv)))
+                    const __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(KIVI_Q16(0)), KIVI_Q16(16), 1);
+                    const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(KIVI_Q16(32)), KIVI_Q16(48), 1);
+#undef KIVI_Q16
+                    _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(lo, ix0, hi));
+                    _mm512_storeu_si512(dst + c + 32, _mm512_permutex2var_epi16(lo, ix1, hi));
+                }
+            }
+        }
+    }
+    /* Each row's group (in the segment) and its offset into vs->qi, without a
+     * division per row; rows past cnt (computed on stale codes, then not
+     * stored) take group 0. */
+    int32_t rowgr[KIVI_SEG + 16] = {0}, rowoff[KIVI_SEG + 16] = {0};
+    for (int64_t u = 0, gr = 0, next = (g0 + 1) * G; u < cnt; ++u) {
+        if (t + u == next) {
+            ++gr;
+            next += G;
+        }
+        rowgr[u] = (int32_t)gr;
+        rowoff[u] = (int32_t)(gr * hq * d);
+    }
+    /* Scores, 16 rows at a time per query head. */
+    for (int64_t j = 0; j < hq; ++j) {
+        float *sj = sc + j * len;
+        const int16_t *qh = vs->qi + j * d;
+        const int16_t *ch = vs->codes + (j / g) * KIVI_SEG * d;
+        const float *qsj = vs->qscale + j * (KIVI_SEG + 1), *qzj = vs->qz + j * (KIVI_SEG + 1);
+        for (int64_t u0 = 0; u0 < cnt; u0 += 16) {
+            const int64_t m = cnt - u0 < 16 ? cnt - u0 : 16;
+            __m512i acc[16];
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_si512();
+            const int16_t *cr = ch + u0 * d;
+            for (int64_t c = 0; c < d; c += 32)
+#pragma GCC unroll 16
+                for (int r = 0; r < 16; ++r)
+                    acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_loadu_si512(cr + r * d + c),
+                                                 _mm512_loadu_si512(qh + rowoff[u0 + r] + c));
+            __m512 rs, rz;
+            const __m512i gv = _mm512_loadu_si512(rowgr + u0);
+            if (ngr <= 16) {
+                rs = _mm512_permutexvar_ps(gv, _mm512_loadu_ps(qsj));
+                rz = _mm512_permutexvar_ps(gv, _mm512_loadu_ps(qzj));
+            } else {
+                rs = _mm512_i32gather_ps(gv, qsj, 4);
+                rz = _mm512_i32gather_ps(gv, qzj, 4);
+            }
+            const __m512 isum = _mm512_cvtepi32_ps(vnni_hsum16(acc));
+            const __m512 sv = _mm512_mul_ps(_mm512_fmadd_ps(isum, rs, rz), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(sj + u0, (__mmask16)((1u << m) - 1), sv);
+        }
+    }
+}
+
+/* The values of quantized rows [t, t + cnt), every head, weighted by
+ * p[j * len + u] (p: row t's column of the probabilities), added to
+ * vs->operm in lane order (vnni_values_out puts them in channel order). */
+static void seg_values_int(const kivi_cache *kc, const int32_t *bt, const float *p, int64_t t,
+                           int64_t cnt, int64_t g, int64_t len, vnni_scratch *vs)
+{
+    const int64_t d = kc->d, hkv = kc->hkv, vg = kc->vgroup, ng = d / vg;
+    const int64_t dp = d * kc->bits / 8, nc = d / 64, np = (cnt + 1) / 2, rows = 2 * np;
+    const int64_t chunk = 64 * kc->bits / 8;
+    const uint8_t *base[KIVI_SEG], *blk_of[KIVI_SEG];
+    seg_bases(kc, bt, 0, t, cnt, base, blk_of);
+    /* Scales and zeros [h, k, u] (0 past cnt), codes of row pairs [h, pair, chunk, 4]. */
+    for (int64_t u = 0; u < rows; ++u)
+        for (int64_t h = 0; h < hkv; ++h) {
+            float *sk = vs->vs + h * ng * KIVI_SEG + u, *zk = vs->vz + h * ng * KIVI_SEG + u;
+            if (u >= cnt) {
+                for (int64_t k = 0; k < ng; ++k) sk[k * KIVI_SEG] = zk[k * KIVI_SEG] = 0.0f;
+                continue;
+            }
+            const int64_t at = (base[u] - blk_of[u]) / dp + h; /* token-in-block * hkv + h */
+            const uint16_t *sp = (const uint16_t *)(blk_of[u] + kc->scale_off) + at * ng;
+            const uint16_t *zp = (const uint16_t *)(blk_of[u] + kc->vzero_off) + at * ng;
+            for (int64_t k = 0; k < ng; ++k) {
+                sk[k * KIVI_SEG] = h2f(sp[k]);
+                zk[k * KIVI_SEG] = h2f(zp[k]);
+            }
+        }
+    for (int64_t pi = 0; pi < np; ++pi) {
+        const int64_t u = 2 * pi;
+        for (int64_t h = 0; h < hkv; ++h) {
+            __m512i *dst = vs->pairs + ((h * (KIVI_SEG / 2) + pi) * nc) * 4;
+            for (int64_t c = 0; c < nc; ++c, dst += 4) {
+                __m512i a0, a1, b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+                vnni_codes(base[u] + h * dp + c * chunk, kc->bits, &a0, &a1);
+                if (u + 1 < cnt) vnni_codes(base[u + 1] + h * dp + c * chunk, kc->bits, &b0, &b1);
+                dst[0] = _mm512_unpacklo_epi16(a0, b0);
+                dst[1] = _mm512_unpackhi_epi16(a0, b0);
+                dst[2] = _mm512_unpacklo_epi16(a1, b1);
+                dst[3] = _mm512_unpackhi_epi16(a1, b1);
+            }
+        }
+    }
+    /* Lanes (of 16 int32) in the second channel group of a chunk, for 32-channel groups. */
+    const __mmask16 second = vg == 32 ? (kc->bits == 4 ? 0xFF00 : 0xF0F0) : 0;
+    for (int64_t j = 0; j < hkv * g; ++j) {
+        const int64_t h = j / g;
+        const float *pj = p + j * len;
+        float *w = vs->tmp, wscale[ng], zsum[ng];
+        /* Weights p_u s_uk rounded per channel group, packed two rows per int32. */
+        for (int64_t k = 0; k < ng; ++k) {
+            const float *sk = vs->vs + (h * ng + k) * KIVI_SEG, *zk = vs->vz + (h * ng + k) * KIVI_SEG;
+            __m512 z = _mm512_setzero_ps();
+            for (int64_t u = 0; u < rows; u += 16) {
+                const __mmask16 mk = rows - u >= 16 ? 0xFFFF : (__mmask16)((1u << (rows - u)) - 1);
+                const __mmask16 mp = cnt - u >= 16 ? 0xFFFF
+                                     : cnt > u      ? (__mmask16)((1u << (cnt - u)) - 1)
+                                                    : 0;
+                const __m512 pv = _mm512_maskz_loadu_ps(mp, pj + u);
+                _mm512_mask_storeu_ps(w + u, mk, _mm512_mul_ps(pv, _mm512_loadu_ps(sk + u)));
+                z = _mm512_fmadd_ps(pv, _mm512_loadu_ps(zk + u), z);
+            }
+            zsum[k] = _mm512_reduce_add_ps(z);
+            for (int64_t u = rows; u % 16; ++u) w[u] = 0.0f;
+            int32_t wi32[KIVI_SEG];
+            wscale[k] = vnni_round(w, (rows + 15) / 16 * 16, wi32);
+            for (int64_t u = 0; u < rows; u += 16)
+                _mm256_storeu_si256((__m256i *)((int16_t *)(vs->wi + k * (KIVI_SEG / 2)) + u),
+                                    _mm512_cvtepi32_epi16(_mm512_loadu_si512(wi32 + u)));
+        }
+        /* The segment's sums, into the head's accumulators in lane order. */
+        float *oj = vs->operm + j * d;
+        for (int64_t c = 0; c < nc; ++c) {
+            const int64_t k0 = c * 64 / vg, k1 = second ? k0 + 1 : k0;
+            const int32_t *w0 = vs->wi + k0 * (KIVI_SEG / 2), *w1 = vs->wi + k1 * (KIVI_SEG / 2);
+            __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+            const __m512i *pv = vs->pairs + (h * (KIVI_SEG / 2) * nc + c) * 4;
+            for (int64_t pi = 0; pi < np; ++pi, pv += 4 * nc) {
+                const __m512i mult =
+                    _mm512_mask_set1_epi32(_mm512_set1_epi32(w0[pi]), second, w1[pi]);
+                acc0 = _mm512_dpwssd_epi32(acc0, pv[0], mult);
+                acc1 = _mm512_dpwssd_epi32(acc1, pv[1], mult);
+                acc2 = _mm512_dpwssd_epi32(acc2, pv[2], mult);
+                acc3 = _mm512_dpwssd_epi32(acc3, pv[3], mult);
+            }
+            const __m512 ws = _mm512_mask_blend_ps(second, _mm512_set1_ps(wscale[k0]),
+                                                   _mm512_set1_ps(wscale[k1]));
+            const __m512 zs = _mm512_mask_blend_ps(second, _mm512_set1_ps(zsum[k0]),
+                                                   _mm512_set1_ps(zsum[k1]));
+            const __m512i accs[4] = {acc0, acc1, acc2, acc3};
+            for (int a = 0; a < 4; ++a) {
+                float *o = oj + c * 64 + 16 * a;
+                _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o),
+                                                  _mm512_fmadd_ps(_mm512_cvtepi32_ps(accs[a]),
+                                                                  ws, zs)));
+            }
+        }
+    }
+}
+
+/* out[j, c] += the lane-order accumulators of seg_values_int, for every head j. */
+static void vnni_values_out(const kivi_cache *kc, int64_t hq, const float *operm, float *out)
+{
+    const int64_t d = kc->d;
+    int32_t perm[64]; /* output channel of lane i of a chunk (accumulator i / 16) */
+    for (int a = 0; a < 4; ++a)
+        for (int l = 0; l < 16; ++l) {
+            /* unpacklo/hi keep 128-bit lanes: int32 lane l of pair vector a
+             * came from int16 lane 8 (l / 4) + 4 (a % 2) + l % 4 of c(a / 2) */
+            const int w = 8 * (l / 4) + 4 * (a % 2) + l % 4;
+            perm[a * 16 + l] = vnni_channel(kc->bits, 32 * (a / 2) + w);
+        }
+    for (int64_t j = 0; j < hq; ++j)
+        for (int64_t c = 0; c < d; c += 64)
+            for (int i = 0; i < 64; ++i) out[j * d + c + perm[i]] += operm[j * d + c + i];
+}
+#else
+struct vnni_scratch_s {
+    int unused;
+};
+static struct vnni_scratch_s *vnni_new(int64_t hq, int64_t g, int64_t d)
+{
+    (void)hq;
+    (void)g;
+    (void)d;
+    return calloc(1, sizeof(struct vnni_scratch_s));
+}
+static void vnni_free(struct vnni_scratch_s *v) { free(v); }
+#endif /* KIVI_VNNI */
+
+/* Whether layouts of head size d and value groups of vgroup channels take the
+ * integer body in this build. */
+static int integer_body(int64_t d, int64_t vgroup)
+{
+#ifdef KIVI_VNNI
+    return d % 64 == 0 && (vgroup == 32 || vgroup % 64 == 0);
+#else
+    (void)d;
+    (void)vgroup;
+    return 0;
+#endif
+}
+
+int fuel_kivi_integer_body(int64_t d, int64_t vgroup) { return integer_body(d, vgroup); }
+
 /* ---- the fast body (head sizes that are multiples of 64) -----------------
  *
  * Same contract and read rule as kivi_range. Why it is faster (measured at
@@ -396,18 +827,31 @@ static int kivi_range_fast(const kivi_cache *kc, const float *q, const int32_t *
     const int64_t sink = kc->sink ? G : 0;
     if (scratch_fit(s, hq * len) != 0) return -1;
     float *sc = s->scores;
+#ifdef KIVI_VNNI
+    vnni_scratch *vs = integer_body(kc->d, kc->vgroup) ? s->vnni : NULL;
+#endif
     /* Pass 1: scores, segment by segment. */
     for (int64_t t = t0; t < t1;) {
         const int quantized = t >= sink && t < ws;
         int64_t end;
         if (quantized) {
             end = (t / G + 1) * G; /* the group's end (ws and sink are group-aligned) */
+#ifdef KIVI_VNNI
+            if (vs != NULL) end = ws; /* the integer body takes each row's group */
+#endif
         } else {
             end = t < sink ? sink : t1;
         }
         if (end > t1) end = t1;
         if (end - t > KIVI_SEG) end = t + KIVI_SEG;
         const int64_t cnt = end - t;
+#ifdef KIVI_VNNI
+        if (quantized && vs != NULL) {
+            seg_scores_int(kc, bt, q, t, cnt, g, scale, sc + (t - t0), len, s->rows, vs);
+            t = end;
+            continue;
+        }
+#endif
         for (int64_t h = 0; h < hkv; ++h) {
             float *sch = sc + h * g * len + (t - t0);
             seg_rows(kc, bt, t, cnt, h, 1, quantized, s->rows);
@@ -435,12 +879,24 @@ static int kivi_range_fast(const kivi_cache *kc, const float *q, const int32_t *
     fuel_softmax_rows(sc, len, hq, mx, sum);
     /* Pass 2: values, a chunk of rows per kv head, 64 output channels in registers. */
     memset(out, 0, sizeof(float) * (size_t)(hq * d));
+#ifdef KIVI_VNNI
+    int any_int = 0;
+    if (vs != NULL) memset(vs->operm, 0, sizeof(float) * (size_t)(hq * d));
+#endif
     for (int64_t t = t0; t < t1;) {
         const int quantized = t >= sink && t < ws;
         int64_t end = quantized ? ws : (t < sink ? sink : t1);
         if (end > t1) end = t1;
         if (end - t > KIVI_SEG) end = t + KIVI_SEG;
         const int64_t cnt = end - t;
+#ifdef KIVI_VNNI
+        if (quantized && vs != NULL) {
+            seg_values_int(kc, bt, sc + (t - t0), t, cnt, g, len, vs);
+            any_int = 1;
+            t = end;
+            continue;
+        }
+#endif
         for (int64_t h = 0; h < hkv; ++h) {
             seg_rows(kc, bt, t, cnt, h, 0, quantized, s->rows);
             for (int64_t jj = 0; jj < g; ++jj) {
@@ -461,6 +917,9 @@ static int kivi_range_fast(const kivi_cache *kc, const float *q, const int32_t *
         }
         t = end;
     }
+#ifdef KIVI_VNNI
+    if (any_int) vnni_values_out(kc, hq, vs->operm, out);
+#endif
     return 0;
 }
 
