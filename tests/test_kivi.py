@@ -244,6 +244,31 @@ def test_native_decode_matches_dense(
     _run(backend, sim, PLAN, _tol(kern, lay))
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize(("dim", "vgroup"), [(64, 32), (64, 64), (128, 32), (128, 128)])
+@pytest.mark.parametrize(("ring", "sink"), WINDOWS)
+def test_native_integer_body_matches_dense(
+    kernels: object, bits: int, dim: int, vgroup: int, ring: int, sink: bool
+) -> None:
+    """The integer body (cpu_kivi.c) on every layout it takes: 32-channel value
+    groups (two per 64-channel chunk) and whole-chunk ones, one and two chunks
+    per row, groups of 4 (a 64-row segment spans 17 of them: the gathered
+    scales), blocks of 8 and 16 (segments cross blocks), GQA 4:2, mixed steps
+    and a long sequence past several segments, split across threads."""
+    from engine.attention.cpu_backend import CpuNativeAttentionBackend
+
+    lay = KiviLayout(bits, 4, vgroup, 8 if ring + sink <= 2 else 16, 2, dim, ring, sink)
+    if not kernels.kivi_integer_body(lay):  # type: ignore[attr-defined]
+        pytest.skip("this build has no integer body (AVX-512 VNNI)")
+    backend = CpuNativeAttentionBackend(kernels)  # type: ignore[arg-type]
+    sim = KiviSim.make(lay, num_heads=4, lengths=[40, 40, 40, 40], seed=bits + dim)
+    _run(backend, sim, PLAN, INT_TOL)
+    sim = KiviSim.make(lay, num_heads=4, lengths=[260, 30], seed=dim - bits)
+    plan = [[(0, 200), (1, 27)]] + [[(0, 1), (1, 1)] for _ in range(3)] + [[(0, 57)]]
+    torch.set_num_threads(2)
+    _run(backend, sim, plan, INT_TOL)
+
+
 def test_native_decode_split_k_long_context(kernels: object) -> None:
     """One long sequence (split across threads) and a short one, 2-bit, groups
     of 32 in 64-token blocks (the engine's shapes), decoding past a group end."""

@@ -419,7 +419,7 @@ typedef struct vnni_scratch_s {
     float *qscale;   /* [hq, KIVI_SEG + 1] (+ 16: a vector load past the last) */
     float *qz;       /* [hq, KIVI_SEG + 1] (+ 16) */
     __m512i *pairs;  /* [hkv, KIVI_SEG / 2, d / 64, 4]: value codes of row pairs */
-    float *vs, *vz;  /* [hkv, d / vgroup, KIVI_SEG]: value scales and zeros */
+    float *vs, *vz;  /* [KIVI_SEG + 16, hkv, d / vgroup]: value scales and zeros */
     float *tmp;      /* [KIVI_SEG + 16] floats */
     float *operm;    /* [hq, d]: value sums in lane order (seg_values_int) */
     int32_t *wi;     /* [d / 32, KIVI_SEG / 2]: rounded value weights, two rows per int32 */
@@ -452,8 +452,8 @@ static vnni_scratch *vnni_new(int64_t hq, int64_t g, int64_t d)
     v->qscale = calloc(groups * (size_t)hq + 16, sizeof(float));
     v->qz = calloc(groups * (size_t)hq + 16, sizeof(float));
     v->pairs = aligned_alloc(64, sizeof(__m512i) * hkv * (KIVI_SEG / 2 * 4 * (size_t)(d / 64)));
-    v->vs = calloc(hkv * ng * KIVI_SEG, sizeof(float));
-    v->vz = calloc(hkv * ng * KIVI_SEG, sizeof(float));
+    v->vs = calloc(hkv * ng * (KIVI_SEG + 16), sizeof(float));
+    v->vz = calloc(hkv * ng * (KIVI_SEG + 16), sizeof(float));
     v->tmp = calloc(KIVI_SEG + 16, sizeof(float));
     v->wi = calloc(ng * (KIVI_SEG / 2), sizeof(int32_t));
     v->operm = calloc((size_t)(hq * d), sizeof(float));
@@ -466,9 +466,9 @@ static vnni_scratch *vnni_new(int64_t hq, int64_t g, int64_t d)
 }
 
 /* Rows [t, t + cnt) of one side walked block by block (no division per
- * row): base[u] is row u's first byte (all kv heads), blk_of[u] its block's. */
+ * row): base[u] is row u's first byte (all kv heads). */
 static void seg_bases(const kivi_cache *kc, const int32_t *bt, int keys, int64_t t, int64_t cnt,
-                      const uint8_t **base, const uint8_t **blk_of)
+                      const uint8_t **base)
 {
     const int64_t bs = kc->bs, row = kc->hkv * kc->d * kc->bits / 8;
     const uint8_t *side = keys ? kc->k : kc->v;
@@ -479,8 +479,7 @@ static void seg_bases(const kivi_cache *kc, const int32_t *bt, int keys, int64_t
             o = 0;
             ++blk;
         }
-        blk_of[u] = side + bt[blk] * stride;
-        base[u] = blk_of[u] + o * row;
+        base[u] = side + bt[blk] * stride + o * row;
     }
 }
 
@@ -494,8 +493,8 @@ static void seg_scores_int(const kivi_cache *kc, const int32_t *bt, const float 
     const int64_t d = kc->d, bs = kc->bs, hkv = kc->hkv, G = kc->group, hq = hkv * g;
     const int64_t dp = d * kc->bits / 8, nc = d / 64, g0 = t / G, chunk = 64 * kc->bits / 8;
     const int64_t ngr = (t + cnt - 1) / G - g0 + 1;
-    const uint8_t *base[KIVI_SEG], *blk_of[KIVI_SEG];
-    seg_bases(kc, bt, 1, t, cnt, base, blk_of);
+    const uint8_t *base[KIVI_SEG];
+    seg_bases(kc, bt, 1, t, cnt, base);
     /* Codes of the segment's rows: [h, u, d] in the chunk layout. */
     for (int64_t u = 0; u < cnt; ++u)
         for (int64_t h = 0; h < hkv; ++h) {
@@ -607,24 +606,27 @@ static void seg_values_int(const kivi_cache *kc, const int32_t *bt, const float 
     const int64_t d = kc->d, hkv = kc->hkv, vg = kc->vgroup, ng = d / vg;
     const int64_t dp = d * kc->bits / 8, nc = d / 64, np = (cnt + 1) / 2, rows = 2 * np;
     const int64_t chunk = 64 * kc->bits / 8;
-    const uint8_t *base[KIVI_SEG], *blk_of[KIVI_SEG];
-    seg_bases(kc, bt, 0, t, cnt, base, blk_of);
-    /* Scales and zeros [h, k, u] (0 past cnt), codes of row pairs [h, pair, chunk, 4]. */
-    for (int64_t u = 0; u < rows; ++u)
-        for (int64_t h = 0; h < hkv; ++h) {
-            float *sk = vs->vs + h * ng * KIVI_SEG + u, *zk = vs->vz + h * ng * KIVI_SEG + u;
-            if (u >= cnt) {
-                for (int64_t k = 0; k < ng; ++k) sk[k * KIVI_SEG] = zk[k * KIVI_SEG] = 0.0f;
-                continue;
+    const uint8_t *base[KIVI_SEG];
+    seg_bases(kc, bt, 0, t, cnt, base);
+    /* Scales and zeros as floats in the cache's order [u, h, k], converted a
+     * block's run of rows at a time (the rows of a run are contiguous). */
+    const int64_t per_row = hkv * ng;
+    for (int64_t u = 0, blk = t / kc->bs, o = t % kc->bs; u < cnt; o = 0, ++blk) {
+        const int64_t n = cnt - u < kc->bs - o ? cnt - u : kc->bs - o, count = n * per_row;
+        const uint8_t *b = kc->v + bt[blk] * kc->vside;
+        const uint16_t *src[2] = {(const uint16_t *)(b + kc->scale_off) + o * per_row,
+                                  (const uint16_t *)(b + kc->vzero_off) + o * per_row};
+        float *dst[2] = {vs->vs + u * per_row, vs->vz + u * per_row};
+        for (int side = 0; side < 2; ++side)
+            for (int64_t i = 0; i < count; i += 16) {
+                const __mmask16 mk =
+                    count - i >= 16 ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+                _mm512_mask_storeu_ps(dst[side] + i, mk,
+                                      _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, src[side] + i)));
             }
-            const int64_t at = (base[u] - blk_of[u]) / dp + h; /* token-in-block * hkv + h */
-            const uint16_t *sp = (const uint16_t *)(blk_of[u] + kc->scale_off) + at * ng;
-            const uint16_t *zp = (const uint16_t *)(blk_of[u] + kc->vzero_off) + at * ng;
-            for (int64_t k = 0; k < ng; ++k) {
-                sk[k * KIVI_SEG] = h2f(sp[k]);
-                zk[k * KIVI_SEG] = h2f(zp[k]);
-            }
-        }
+        u += n;
+    }
+    /* Codes of row pairs [h, pair, chunk, 4]. */
     for (int64_t pi = 0; pi < np; ++pi) {
         const int64_t u = 2 * pi;
         for (int64_t h = 0; h < hkv; ++h) {
@@ -642,13 +644,18 @@ static void seg_values_int(const kivi_cache *kc, const int32_t *bt, const float 
     }
     /* Lanes (of 16 int32) in the second channel group of a chunk, for 32-channel groups. */
     const __mmask16 second = vg == 32 ? (kc->bits == 4 ? 0xFF00 : 0xF0F0) : 0;
+    const __m512i rowidx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int32_t)per_row));
     for (int64_t j = 0; j < hkv * g; ++j) {
         const int64_t h = j / g;
         const float *pj = p + j * len;
         float *w = vs->tmp, wscale[ng], zsum[ng];
         /* Weights p_u s_uk rounded per channel group, packed two rows per int32. */
         for (int64_t k = 0; k < ng; ++k) {
-            const float *sk = vs->vs + (h * ng + k) * KIVI_SEG, *zk = vs->vz + (h * ng + k) * KIVI_SEG;
+            /* rows u .. u + 15 of the [u, h, k] scales: a stride of per_row; rows
+             * past cnt read finite stale numbers (zeroed scratch) weighted by p = 0 */
+            const float *sk = vs->vs + h * ng + k, *zk = vs->vz + h * ng + k;
             __m512 z = _mm512_setzero_ps();
             for (int64_t u = 0; u < rows; u += 16) {
                 const __mmask16 mk = rows - u >= 16 ? 0xFFFF : (__mmask16)((1u << (rows - u)) - 1);
@@ -656,8 +663,10 @@ static void seg_values_int(const kivi_cache *kc, const int32_t *bt, const float 
                                      : cnt > u      ? (__mmask16)((1u << (cnt - u)) - 1)
                                                     : 0;
                 const __m512 pv = _mm512_maskz_loadu_ps(mp, pj + u);
-                _mm512_mask_storeu_ps(w + u, mk, _mm512_mul_ps(pv, _mm512_loadu_ps(sk + u)));
-                z = _mm512_fmadd_ps(pv, _mm512_loadu_ps(zk + u), z);
+                const __m512 sv = _mm512_i32gather_ps(rowidx, sk + u * per_row, 4);
+                const __m512 zv = _mm512_i32gather_ps(rowidx, zk + u * per_row, 4);
+                _mm512_mask_storeu_ps(w + u, mk, _mm512_mul_ps(pv, sv));
+                z = _mm512_fmadd_ps(pv, zv, z);
             }
             zsum[k] = _mm512_reduce_add_ps(z);
             for (int64_t u = rows; u % 16; ++u) w[u] = 0.0f;
