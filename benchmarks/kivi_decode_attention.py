@@ -3,7 +3,8 @@ per call: the default model's heads (9 query, 3 kv, head size 64), one
 sequence at 1,000 and 4,000 tokens of context, 2 threads; kivi4 (groups of 32,
 a one-group window) and kivi2 (groups of 8, a 32-token window and sinks) in
 1,024-token blocks, float16 in 16-token blocks (each format's defaults). The
-caches hold random codes with plausible scales: speed only.
+caches hold random codes with plausible scales: speed only. The first line
+says which KIVI body ran (csrc/cpu_kivi.c: integer on AVX-512 VNNI builds).
 
     python -m benchmarks.kivi_decode_attention
 """
@@ -50,6 +51,13 @@ def main() -> int:
     torch.manual_seed(0)
     q = torch.randn(1, HQ, D)
     out = torch.empty_like(q)
+    bodies = {
+        name: "integer"
+        if kern.kivi_integer_body(KiviLayout(b, g, 32, 1024, HKV, D, r, s))
+        else "float"
+        for name, (b, g, r, s) in FORMATS.items()
+    }
+    print("KIVI body: " + ", ".join(f"{name} {body}" for name, body in bodies.items()) + "\n")
     print(
         "| context | float16 (us) | kivi4 (us) | kivi4 / float16 | kivi2 (us) | kivi2 / float16 |"
     )

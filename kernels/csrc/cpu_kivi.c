@@ -161,7 +161,7 @@ typedef struct fuel_kivi_scratch {
     struct vnni_scratch_s *vnni; /* the integer body's, or NULL without it */
 } kivi_scratch;
 
-static struct vnni_scratch_s *vnni_new(int64_t hq, int64_t g, int64_t d);
+static struct vnni_scratch_s *vnni_new(int64_t hq, int64_t g, int64_t d, int64_t G);
 static void vnni_free(struct vnni_scratch_s *v);
 
 void fuel_kivi_scratch_free(fuel_kivi_scratch *s)
@@ -177,7 +177,7 @@ void fuel_kivi_scratch_free(fuel_kivi_scratch *s)
     free(s);
 }
 
-fuel_kivi_scratch *fuel_kivi_scratch_new(int64_t hq, int64_t hkv, int64_t d)
+fuel_kivi_scratch *fuel_kivi_scratch_new(const fuel_kivi *kv, int64_t hq, int64_t hkv, int64_t d)
 {
     const int64_t g = hq / hkv;
     kivi_scratch *s = calloc(1, sizeof *s);
@@ -187,7 +187,7 @@ fuel_kivi_scratch *fuel_kivi_scratch_new(int64_t hq, int64_t hkv, int64_t d)
     s->row = malloc(sizeof(float) * (size_t)d);
     s->vrow = malloc(sizeof(float) * (size_t)d);
     s->rows = malloc(sizeof(float) * (size_t)(KIVI_SEG * d));
-    s->vnni = d % 64 == 0 ? vnni_new(hq, g, d) : NULL;
+    s->vnni = d % 64 == 0 ? vnni_new(hq, g, d, kv->group) : NULL;
     if (!s->qs || !s->qz || !s->row || !s->vrow || !s->rows || (d % 64 == 0 && !s->vnni)) {
         fuel_kivi_scratch_free(s);
         return NULL;
@@ -345,7 +345,7 @@ static int kivi_range(const kivi_cache *kc, const float *q, const int32_t *bt, i
  *   4i + 3 (the four bit planes of byte i).
  * Value groups must be 32 channels or a multiple of 64, so that each 128-bit
  * lane of those vectors lies in one channel group. */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KIVI_VNNI 1
 
 /* Channel of int16 lane i (0..63: c0 then c1) of a 64-channel chunk. */
@@ -415,7 +415,7 @@ static inline float vnni_round(const float *x, int64_t n, int32_t *q)
 /* Scratch of the integer body, per thread (sized for KIVI_SEG rows). */
 typedef struct vnni_scratch_s {
     int16_t *codes;  /* [hkv, KIVI_SEG, d]: a key segment's codes, chunk layout */
-    int16_t *qi;     /* [KIVI_SEG + 1, hq, d]: rounded q s per group and query head */
+    int16_t *qi;     /* [groups, hq, d]: rounded q s per group of a segment and query head */
     float *qscale;   /* [hq, KIVI_SEG + 1] (+ 16: a vector load past the last) */
     float *qz;       /* [hq, KIVI_SEG + 1] (+ 16) */
     __m512i *pairs;  /* [hkv, KIVI_SEG / 2, d / 64, 4]: value codes of row pairs */
@@ -442,15 +442,17 @@ static void vnni_free(vnni_scratch *v)
 }
 
 /* Zeroed, so that lanes past a segment's rows read finite numbers. */
-static vnni_scratch *vnni_new(int64_t hq, int64_t g, int64_t d)
+static vnni_scratch *vnni_new(int64_t hq, int64_t g, int64_t d, int64_t G)
 {
     vnni_scratch *v = calloc(1, sizeof *v);
     if (v == NULL) return NULL;
-    const size_t groups = KIVI_SEG + 1, ng = (size_t)(d / 32), hkv = (size_t)(hq / g);
+    /* groups a segment of KIVI_SEG rows touches: (KIVI_SEG - 1) / G + 2 at most */
+    const size_t groups = (size_t)((KIVI_SEG - 1) / G + 2);
+    const size_t ng = (size_t)(d / 32), hkv = (size_t)(hq / g);
     v->codes = calloc(hkv * KIVI_SEG * (size_t)d, sizeof(int16_t));
     v->qi = calloc(groups * (size_t)(hq * d), sizeof(int16_t));
-    v->qscale = calloc(groups * (size_t)hq + 16, sizeof(float));
-    v->qz = calloc(groups * (size_t)hq + 16, sizeof(float));
+    v->qscale = calloc((KIVI_SEG + 1) * (size_t)hq + 16, sizeof(float));
+    v->qz = calloc((KIVI_SEG + 1) * (size_t)hq + 16, sizeof(float));
     v->pairs = aligned_alloc(64, sizeof(__m512i) * hkv * (KIVI_SEG / 2 * 4 * (size_t)(d / 64)));
     v->vs = calloc(hkv * ng * (KIVI_SEG + 16), sizeof(float));
     v->vz = calloc(hkv * ng * (KIVI_SEG + 16), sizeof(float));
@@ -522,8 +524,10 @@ static void seg_scores_int(const kivi_cache *kc, const int32_t *bt, const float 
             const uint16_t *sp = (const uint16_t *)(kb + kc->scale_off) + (gi * hkv + h) * d;
             const uint16_t *zp = (const uint16_t *)(kb + kc->kzero_off) + (gi * hkv + h) * d;
             for (int64_t c = 0; c < d; c += 16) {
-                _mm512_storeu_ps(sf + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + c))));
-                _mm512_storeu_ps(zf + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zp + c))));
+                const __m256i sh = _mm256_loadu_si256((const __m256i *)(sp + c));
+                const __m256i zh = _mm256_loadu_si256((const __m256i *)(zp + c));
+                _mm512_storeu_ps(sf + c, _mm512_cvtph_ps(sh));
+                _mm512_storeu_ps(zf + c, _mm512_cvtph_ps(zh));
             }
             for (int64_t j = h * g; j < (h + 1) * g; ++j) {
                 const float *qj = q + j * d;
@@ -542,9 +546,12 @@ static void seg_scores_int(const kivi_cache *kc, const int32_t *bt, const float 
                 int16_t *dst = vs->qi + (gr * hq + j) * d;
                 for (int64_t c = 0; c < d; c += 64) {
                     /* rounded, as int16 in channel order, then into the chunk layout */
-#define KIVI_Q16(o) _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qsf + c + (o)), inv)))
-                    const __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(KIVI_Q16(0)), KIVI_Q16(16), 1);
-                    const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(KIVI_Q16(32)), KIVI_Q16(48), 1);
+#define KIVI_Q16(o)                                                                               \
+    _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qsf + c + (o)), inv)))
+                    const __m512i lo =
+                        _mm512_inserti64x4(_mm512_castsi256_si512(KIVI_Q16(0)), KIVI_Q16(16), 1);
+                    const __m512i hi =
+                        _mm512_inserti64x4(_mm512_castsi256_si512(KIVI_Q16(32)), KIVI_Q16(48), 1);
 #undef KIVI_Q16
                     _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(lo, ix0, hi));
                     _mm512_storeu_si512(dst + c + 32, _mm512_permutex2var_epi16(lo, ix1, hi));
@@ -726,8 +733,9 @@ static void vnni_values_out(const kivi_cache *kc, int64_t hq, const float *operm
 struct vnni_scratch_s {
     int unused;
 };
-static struct vnni_scratch_s *vnni_new(int64_t hq, int64_t g, int64_t d)
+static struct vnni_scratch_s *vnni_new(int64_t hq, int64_t g, int64_t d, int64_t G)
 {
+    (void)G;
     (void)hq;
     (void)g;
     (void)d;
@@ -1050,7 +1058,7 @@ int fuel_kivi_decode_attention_f32(const float *q, const uint8_t *k_cache, const
 
 #pragma omp parallel num_threads(nt) if (nt > 1 && !failed)
     {
-        kivi_scratch *s = fuel_kivi_scratch_new(hq, hkv, d);
+        kivi_scratch *s = fuel_kivi_scratch_new(&kv, hq, hkv, d);
         const int ok = s != NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {

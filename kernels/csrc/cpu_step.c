@@ -145,7 +145,7 @@ int fuel_decode_step_f32(const fuel_model *md, float *x, int64_t M, const int64_
         float *scores = NULL;
         int64_t cap = 0;
         int64_t lo, hi;
-        fuel_kivi_scratch *kscratch = md->kivi ? fuel_kivi_scratch_new(hq, hkv, d) : NULL;
+        fuel_kivi_scratch *kscratch = md->kivi ? fuel_kivi_scratch_new(md->kivi, hq, hkv, d) : NULL;
         if (md->kivi && kscratch == NULL) {
 #pragma omp atomic write
             failed = 1;

@@ -124,7 +124,8 @@ typedef struct {
 
 /* Per-thread scratch of the KIVI attention (opaque); NULL when out of memory. */
 typedef struct fuel_kivi_scratch fuel_kivi_scratch;
-FUEL_HIDDEN fuel_kivi_scratch *fuel_kivi_scratch_new(int64_t hq, int64_t hkv, int64_t d);
+FUEL_HIDDEN fuel_kivi_scratch *fuel_kivi_scratch_new(const fuel_kivi *kv, int64_t hq, int64_t hkv,
+                                                   int64_t d);
 FUEL_HIDDEN void fuel_kivi_scratch_free(fuel_kivi_scratch *s);
 
 /* Store one token's key and value rows (hkv * d floats each) at `slot`: the
