@@ -19,6 +19,13 @@
  * quantized per token over channel groups, dequantized one row at a time (all
  * query heads of a kv head share it).
  *
+ * Three bodies, one contract: kivi_range (any head size), kivi_range_fast
+ * (head sizes that are multiples of 64) and, inside the latter on AVX-512
+ * VNNI builds, the integer body (seg_scores_int / seg_values_int), which
+ * multiplies codes as int16 and rounds q s and p s to 16 bits (its comment
+ * says how far that moves a result; docs/benchmarks/kv-compression.md what it
+ * does to perplexity and speed).
+ *
  * Layouts (C-contiguous): q, out [nd, hq, d] fp32; k_cache uint8 [num_blocks,
  * kside], v_cache uint8 [num_blocks, vside] (row = one block: codes at 0, then
  * per side the scale, zero and float16 slot offsets of kernels/kivi.py's
