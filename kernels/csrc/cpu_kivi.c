@@ -405,17 +405,17 @@ static inline __m512i vnni_hsum16(const __m512i a[16])
     return _mm512_permutexvar_epi32(order, s4);
 }
 
-/* Rounds x[0..n) (n a multiple of 16) to int32 against its largest magnitude:
+/* Rounds x[0..n) (n a multiple of 16) to int16 against its largest magnitude:
  * returns the scale (0 when every x is 0; then q is all 0). */
-static inline float vnni_round(const float *x, int64_t n, int32_t *q)
+static inline float vnni_round(const float *x, int64_t n, int16_t *q)
 {
     __m512 m = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
     const float amax = _mm512_reduce_max_ps(m);
-    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
     for (int64_t i = 0; i < n; i += 16)
-        _mm512_storeu_si512(q + i, _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i),
-                                                                    _mm512_set1_ps(inv))));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(
+                                                    _mm512_mul_ps(_mm512_loadu_ps(x + i), inv))));
     return amax / 32767.0f;
 }
 
@@ -684,11 +684,9 @@ static void seg_values_int(const kivi_cache *kc, const int32_t *bt, const float 
             }
             zsum[k] = _mm512_reduce_add_ps(z);
             for (int64_t u = rows; u % 16; ++u) w[u] = 0.0f;
-            int32_t wi32[KIVI_SEG];
-            wscale[k] = vnni_round(w, (rows + 15) / 16 * 16, wi32);
-            for (int64_t u = 0; u < rows; u += 16)
-                _mm256_storeu_si256((__m256i *)((int16_t *)(vs->wi + k * (KIVI_SEG / 2)) + u),
-                                    _mm512_cvtepi32_epi16(_mm512_loadu_si512(wi32 + u)));
+            /* int16 u of the group's pairs is row u: rows 2i and 2i + 1 share int32 i */
+            int16_t *wk = (int16_t *)(vs->wi + k * (KIVI_SEG / 2));
+            wscale[k] = vnni_round(w, (rows + 15) / 16 * 16, wk);
         }
         /* The segment's sums, into the head's accumulators in lane order. */
         float *oj = vs->operm + j * d;
